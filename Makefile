@@ -1,0 +1,110 @@
+# Colibri — `make` builds what it can and says so.
+#   make            libcolibri (CPU always; CUDA when nvcc is found), C tests, the Python extension
+#   make test       C tests + pytest suite (CPU; GPU tests run when a GPU is present)
+#   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
+#   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
+# Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
+#          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
+SHELL := /bin/bash
+.DEFAULT_GOAL := all
+
+BUILD       ?= build
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+CFLAGS_ARCH ?= -march=native
+CC          ?= cc
+CFLAGS      ?= -O3 $(CFLAGS_ARCH) -std=c99 -Wall -Wextra -Werror=implicit-function-declaration -fPIC -fopenmp
+CPPFLAGS    += -Icsrc/include -Icsrc/src -D_POSIX_C_SOURCE=200809L
+LDLIBS      += -lm -fopenmp
+
+NVCC        ?= $(shell command -v nvcc 2>/dev/null)
+CUDA        ?= $(if $(NVCC),1,0)
+CUDA_ARCH   ?= 80 90
+CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
+NVCC_GENCODE := $(foreach a,$(CUDA_ARCH),-gencode=arch=compute_$(a),code=sm_$(a)) \
+                $(if $(filter 90,$(CUDA_ARCH)),-gencode=arch=compute_90a$(comma)code=sm_90a)
+comma := ,
+NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr $(NVCC_GENCODE)
+
+C_SRCS      := csrc/src/colibri.c $(wildcard csrc/src/cpu/*.c)
+C_OBJS      := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(C_SRCS))
+ifeq ($(CUDA)$(if $(CUDA_SRCS),y,n),1y)
+  BACKEND_OBJS := $(patsubst csrc/%.cu,$(BUILD)/obj/%.o,$(CUDA_SRCS))
+  LINK        := $(CXX)
+  LDLIBS      += -L$(dir $(NVCC))../lib64 -lcudart_static -ldl -lpthread -lrt
+  CUDA_STATE  := built (sm $(CUDA_ARCH))
+else
+  BACKEND_OBJS := $(BUILD)/obj/src/cuda_stub.o
+  LINK        := $(CC)
+  CUDA_STATE  := not built ($(if $(NVCC),CUDA=0 or no CUDA sources,nvcc not found))
+endif
+OBJS        := $(C_OBJS) $(BACKEND_OBJS)
+HEADERS     := csrc/include/colibri.h csrc/src/internal.h $(wildcard csrc/src/*/*.h) $(wildcard csrc/src/*/*.cuh)
+
+LIB_SO      := $(BUILD)/libcolibri.so
+LIB_A       := $(BUILD)/libcolibri.a
+C_TESTS     := $(patsubst csrc/tests/%.c,$(BUILD)/tests/%,$(wildcard csrc/tests/*.c))
+
+.PHONY: all lib ctests python venv test test-c test-py serve bench clean help
+all: lib ctests python
+	@echo "colibri: CPU backend built; CUDA backend $(CUDA_STATE)"
+	@echo "colibri: $(LIB_SO) $(LIB_A) $(notdir $(C_TESTS)) $(if $(wildcard $(PY)),python extension,python extension not built (run make venv))"
+
+lib: $(LIB_SO) $(LIB_A)
+
+$(BUILD)/obj/%.o: csrc/%.c $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CC) $(CPPFLAGS) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
+
+$(LIB_SO): $(OBJS)
+	$(LINK) -shared -o $@ $^ $(LDLIBS)
+
+$(LIB_A): $(OBJS)
+	ar rcs $@ $^
+
+$(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(LINK) $(CPPFLAGS) $(filter-out -Werror%,$(CFLAGS)) -o $@ $< $(LIB_A) $(LDLIBS)
+
+ctests: $(C_TESTS)
+
+# The Python environment: every pin comes from constraints.txt.
+$(VENV)/.installed: constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest setuptools wheel
+	touch $@
+venv: $(VENV)/.installed
+
+python: $(LIB_SO)
+	@if [ -x $(PY) ]; then $(PY) backend_src/colibri/_ffi_build.py --lib $(LIB_SO); \
+	else echo "colibri: python extension not built: no $(VENV) (make venv creates it)"; fi
+
+test-c: ctests
+	@set -e; for t in $(C_TESTS); do echo "== $$t"; $$t; done
+
+test-py: venv lib
+	$(MAKE) --no-print-directory python
+	$(PY) -m pytest -q tests
+
+test: test-c test-py
+
+serve: venv lib
+	$(MAKE) --no-print-directory python
+	$(PY) -m colibri serve
+
+bench: venv lib
+	$(MAKE) --no-print-directory python
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m colibri bench
+
+clean:
+	rm -rf $(BUILD) backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
+
+help:
+	@sed -n '2,8p' Makefile

@@ -1,0 +1,168 @@
+/*
+ * colibri.h — the whole public surface of Colibri, a Mixture-of-Experts layer engine.
+ *
+ * One context holds one MoE layer: E experts whose weights live in one packed buffer (row e of the
+ * checkpoint's `experts` tensor is expert e, addressed through expert_offsets[]), an optional
+ * router [E, H], and workspace sized at init. colibri_moe_forward computes, for each token t,
+ *
+ *     output[t] = sum_{j < k} topk_weights[t, j] * expert_{topk_ids[t, j]}(input[t])
+ *
+ * where the routing (topk_ids, topk_weights) is given by the caller or computed from the router.
+ * Expert kinds (weights row-major, as torch.nn.Linear.weight):
+ *     SWIGLU: gate [F, H], up [F, H], down [H, F] back to back;  y = down(silu(gate x) * up x), width H
+ *     LINEAR: w [F, H];                                           y = w x,                      width F
+ * Arithmetic accumulates in fp32 whatever the storage dtypes.
+ *
+ * Errors travel as values: every call returns a colibri_status_t; colibri_status_string() names it
+ * and colibri_last_error() gives the message of the last failure on the calling thread. The library
+ * never exits and never prints. Enums are append-only.
+ *
+ * The block between COLIBRI_CDEF_BEGIN and COLIBRI_CDEF_END is read verbatim by the cffi builder
+ * (backend_src/colibri/_ffi_build.py): keep it free of preprocessor lines.
+ */
+#ifndef COLIBRI_H
+#define COLIBRI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define COLIBRI_VERSION_STRING "0.1.0"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* COLIBRI_CDEF_BEGIN */
+
+typedef enum {
+    COLIBRI_OK = 0,
+    COLIBRI_ERR_INVALID_ARGUMENT = 1, /* a NULL pointer, a bad size, an expert id out of range, ... */
+    COLIBRI_ERR_OUT_OF_MEMORY = 2,
+    COLIBRI_ERR_UNSUPPORTED = 3,      /* e.g. a CUDA context in a library built without CUDA */
+    COLIBRI_ERR_CUDA = 4,             /* a CUDA runtime call failed; the message says which */
+    COLIBRI_ERR_ROUTING = 5,          /* a custom routing function failed or returned bad routing */
+    COLIBRI_ERR_INTERNAL = 6
+} colibri_status_t;
+
+typedef enum {
+    COLIBRI_DTYPE_F32 = 0,
+    COLIBRI_DTYPE_F16 = 1,
+    COLIBRI_DTYPE_BF16 = 2
+} colibri_dtype_t;
+
+typedef enum {
+    COLIBRI_EXPERT_SWIGLU = 0,
+    COLIBRI_EXPERT_LINEAR = 1
+} colibri_expert_kind_t;
+
+/* Built-in routing from router logits l = router_weight @ x (+ nothing; the bias is only for selection):
+ *   SOFTMAX_TOPK : p = softmax(l); ids = top-k of p; w = p[ids]; renormalize -> w /= sum(w)  (Mixtral, Qwen)
+ *   TOPK_SOFTMAX : ids = top-k of l; w = softmax(l[ids])                                     (renormalize ignored)
+ *   SIGMOID_BIAS : s = sigmoid(l); ids = top-k of (s + router_bias); w = s[ids];
+ *                  renormalize -> w /= sum(w)                                                (DeepSeek-V3)
+ * then w *= routed_scaling_factor. Ties in top-k go to the lower expert id; ids come out in
+ * descending order of the selection score. */
+typedef enum {
+    COLIBRI_ROUTING_SOFTMAX_TOPK = 0,
+    COLIBRI_ROUTING_TOPK_SOFTMAX = 1,
+    COLIBRI_ROUTING_SIGMOID_BIAS = 2
+} colibri_routing_t;
+
+typedef enum {
+    COLIBRI_DEVICE_CPU = 0,
+    COLIBRI_DEVICE_CUDA = 1
+} colibri_device_t;
+
+typedef struct colibri_moe_context colibri_moe_context_t; /* opaque */
+
+/* A custom router, called by colibri_moe_forward when the caller gives no topk_ids. Pointers are on
+ * the context's device (device pointers for CUDA, with `stream` the caller's cudaStream_t; the function
+ * must only enqueue work on it). router_logits is NULL when the context has no router weights.
+ * The function writes topk_ids (each in [0, E)) and topk_weights and returns COLIBRI_OK, or any
+ * other status to fail the forward with COLIBRI_ERR_ROUTING. */
+typedef colibri_status_t (*colibri_routing_fn_t)(
+    void *user_data,
+    int64_t num_tokens,          /* T */
+    int32_t num_experts,         /* E */
+    int32_t top_k,               /* k */
+    colibri_dtype_t act_dtype,
+    const void *hidden_states,   /* [T, H], act_dtype */
+    const float *router_logits,  /* [T, E] fp32, or NULL */
+    int32_t *topk_ids,           /* [T, k] out */
+    float *topk_weights,         /* [T, k] out */
+    void *stream);
+
+typedef struct {
+    colibri_expert_kind_t expert_kind;
+    colibri_dtype_t weight_dtype;     /* dtype of the packed expert weights */
+    int32_t num_experts;              /* E >= 1 */
+    int32_t top_k;                    /* 1 <= k <= E */
+    int32_t hidden_size;              /* H >= 1 */
+    int32_t intermediate_size;        /* F >= 1 (LINEAR: the output width) */
+    colibri_routing_t routing;        /* built-in routing, used when routing_fn is NULL */
+    int32_t renormalize;              /* 0 or 1, see colibri_routing_t */
+    float routed_scaling_factor;      /* > 0, finite; 1.0 for most models */
+    int32_t workspace_tokens;         /* forward works in chunks of at most this many tokens
+                                         (workspace is sized for it at init); 0 = backend default */
+    colibri_device_t device;
+    int32_t device_id;                /* CUDA ordinal; ignored on the CPU */
+    int32_t num_threads;              /* CPU threads; 0 = OpenMP's default */
+    colibri_routing_fn_t routing_fn;  /* NULL = built-in routing */
+    void *routing_user_data;
+} colibri_moe_config_t;
+
+/* Creates a context for one MoE layer. All pointers here are HOST pointers.
+ * On the CPU the expert weights are used in place (borrowed: they must outlive the context, e.g. a
+ * memory-mapped checkpoint); on CUDA they are copied to the device once, in one allocation.
+ * The router is copied (as fp32) in both cases. router_weight may be NULL only if every forward
+ * passes topk_ids or the config has a routing_fn; router_bias is required for SIGMOID_BIAS and
+ * optional (ignored) otherwise. */
+colibri_status_t colibri_moe_context_init(
+    colibri_moe_context_t **out_ctx,      /* receives the new context; set to NULL on failure */
+    const colibri_moe_config_t *config,
+    const void *expert_weights,           /* packed buffer, weight_dtype, expert_weights_numel elements */
+    const uint64_t *expert_offsets,       /* [E] element offset of expert e in expert_weights */
+    uint64_t expert_weights_numel,        /* every expert must lie inside the buffer */
+    const float *router_weight,           /* [E, H] fp32, or NULL */
+    const float *router_bias);            /* [E] fp32, or NULL */
+
+/* Runs the layer on num_tokens tokens. Pointers are on the context's device. topk_ids and
+ * topk_weights are given together or both NULL (then the router or routing_fn decides). Every element
+ * of output is written. num_tokens == 0 is valid and does nothing. On the CPU, ids are checked
+ * before any output is written. On CUDA the call only enqueues work on `stream` (a cudaStream_t;
+ * NULL = the legacy default stream), never synchronises and allocates nothing, so it can be captured
+ * in a CUDA graph; there an id out of range contributes nothing and is recorded (see
+ * colibri_moe_context_take_device_error). */
+colibri_status_t colibri_moe_forward(
+    colibri_moe_context_t *ctx,
+    int64_t num_tokens,                   /* T >= 0 */
+    colibri_dtype_t act_dtype,            /* dtype of input and output */
+    const void *input,                    /* [T, H], act_dtype */
+    const int32_t *topk_ids,              /* [T, k] in [0, E), or NULL */
+    const float *topk_weights,            /* [T, k] fp32, or NULL */
+    void *output,                         /* [T, H] (SWIGLU) or [T, F] (LINEAR), act_dtype */
+    void *stream);
+
+/* CUDA: synchronises the context's device and returns COLIBRI_ERR_INVALID_ARGUMENT (with a message)
+ * if a forward since the last call met an expert id out of range, clearing the record. The CPU
+ * reports such ids from forward itself, so there this returns COLIBRI_OK. */
+colibri_status_t colibri_moe_context_take_device_error(colibri_moe_context_t *ctx);
+
+void colibri_moe_context_destroy(colibri_moe_context_t *ctx); /* NULL is fine */
+
+const char *colibri_status_string(colibri_status_t status);
+const char *colibri_last_error(void);     /* message of the last failure on this thread, "" if none */
+const char *colibri_version(void);
+int32_t colibri_cuda_built(void);         /* 1 if this library was built with the CUDA backend */
+int32_t colibri_cuda_device_count(void);  /* 0 without CUDA or without a device */
+size_t colibri_dtype_size(colibri_dtype_t dtype);           /* 0 for an unknown dtype */
+uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size,
+                              int32_t intermediate_size);   /* elements of one expert, 0 if invalid */
+
+/* COLIBRI_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COLIBRI_H */

@@ -1,0 +1,27 @@
+/*
+ * cuda_stub.c — stands in for the CUDA backend when the library is built without nvcc, so that a
+ * CUDA context is refused with a clear message instead of failing to link.
+ */
+#include "internal.h"
+
+static colibri_status_t not_built(void) {
+    return colibri_set_error(COLIBRI_ERR_UNSUPPORTED,
+                             "this libcolibri was built without the CUDA backend (nvcc was not found or CUDA=0); "
+                             "rebuild with nvcc on the PATH or use device CPU");
+}
+
+colibri_status_t colibri_cuda_init(colibri_moe_context_t *ctx, const void *w, const uint64_t *off) {
+    (void)ctx; (void)w; (void)off;
+    return not_built();
+}
+
+colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t n, colibri_dtype_t a, const void *in,
+                                      const int32_t *ids, const float *wts, void *out, void *stream) {
+    (void)ctx; (void)n; (void)a; (void)in; (void)ids; (void)wts; (void)out; (void)stream;
+    return not_built();
+}
+
+colibri_status_t colibri_cuda_take_device_error(colibri_moe_context_t *ctx) { (void)ctx; return not_built(); }
+void colibri_cuda_destroy(colibri_moe_context_t *ctx) { (void)ctx; }
+int32_t colibri_cuda_built_impl(void) { return 0; }
+int32_t colibri_cuda_device_count_impl(void) { return 0; }

@@ -1,0 +1,63 @@
+/*
+ * internal.h — what the front end (colibri.c) and the backends (cpu/, cuda/) share: the context
+ * struct, the error helpers and the backend entry points. Not installed; not part of the API.
+ *
+ * The front end validates everything that can be checked on the host (config, pointers, sizes,
+ * and on the CPU the routing ids and weights), copies the router to fp32, and splits a forward into
+ * chunks of at most cfg.workspace_tokens tokens. A backend therefore sees only valid arguments and
+ * 1 <= num_tokens <= cfg.workspace_tokens.
+ */
+#ifndef COLIBRI_INTERNAL_H
+#define COLIBRI_INTERNAL_H
+
+#include "colibri.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct colibri_moe_context {
+    colibri_moe_config_t cfg;      /* validated copy; workspace_tokens filled in by the backend's init */
+    uint64_t expert_numel;         /* elements of one expert */
+    int32_t out_features;          /* H for SWIGLU, F for LINEAR */
+    float *router_weight;          /* [E, H] fp32 host copy, or NULL */
+    float *router_bias;            /* [E] fp32 host copy, or NULL */
+    void *backend;                 /* backend-owned state */
+};
+
+/* Records a formatted message for colibri_last_error() on this thread and returns status. */
+colibri_status_t colibri_set_error(colibri_status_t status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Checks that the caller's routing is usable: ids in [0, E), weights finite. Host pointers only. */
+colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                       const int32_t *topk_ids, const float *topk_weights,
+                                       const char *who);
+
+/* Backends. init sets ctx->backend and, if it was 0, ctx->cfg.workspace_tokens. */
+colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert_weights,
+                                  const uint64_t *expert_offsets);
+colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens,
+                                     colibri_dtype_t act_dtype, const void *input,
+                                     const int32_t *topk_ids, const float *topk_weights, void *output);
+void colibri_cpu_destroy(colibri_moe_context_t *ctx);
+
+colibri_status_t colibri_cuda_init(colibri_moe_context_t *ctx, const void *expert_weights,
+                                   const uint64_t *expert_offsets);
+colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_tokens,
+                                      colibri_dtype_t act_dtype, const void *input,
+                                      const int32_t *topk_ids, const float *topk_weights,
+                                      void *output, void *stream);
+colibri_status_t colibri_cuda_take_device_error(colibri_moe_context_t *ctx);
+void colibri_cuda_destroy(colibri_moe_context_t *ctx);
+int32_t colibri_cuda_built_impl(void);
+int32_t colibri_cuda_device_count_impl(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COLIBRI_INTERNAL_H */
