@@ -143,6 +143,26 @@ colibri_status_t colibri_moe_forward(
     void *output,                         /* [T, H] (SWIGLU) or [T, F] (LINEAR), act_dtype */
     void *stream);
 
+/* Computes only the routing of num_tokens tokens (as forward would without given ids) into topk_ids
+ * and topk_weights, on the context's device (CUDA: enqueued on stream). Needs router weights or a
+ * routing_fn. Lets callers and tests inspect routing; forward never needs it. */
+colibri_status_t colibri_moe_route(
+    colibri_moe_context_t *ctx,
+    int64_t num_tokens,                   /* T >= 0 */
+    colibri_dtype_t act_dtype,
+    const void *input,                    /* [T, H], act_dtype */
+    int32_t *topk_ids,                    /* [T, k] out */
+    float *topk_weights,                  /* [T, k] out */
+    void *stream);
+
+/* Copies into counts the number of (token, expert) assignments each expert received over all forwards
+ * since init or the last reset (ids out of range are not counted), then resets them if reset is 1.
+ * CUDA: synchronises the context's device. */
+colibri_status_t colibri_moe_context_expert_counts(
+    colibri_moe_context_t *ctx,
+    uint64_t *counts,                     /* [E] host, out */
+    int32_t reset);
+
 /* CUDA: synchronises the context's device and returns COLIBRI_ERR_INVALID_ARGUMENT (with a message)
  * if a forward since the last call met an expert id out of range, clearing the record. The CPU
  * reports such ids from forward itself, so there this returns COLIBRI_OK. */

@@ -230,6 +230,40 @@ colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tok
     return COLIBRI_OK;
 }
 
+colibri_status_t colibri_moe_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                   const void *input, int32_t *topk_ids, float *topk_weights, void *stream) {
+    const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
+    if (!ctx) return colibri_set_error(bad, "ctx is NULL");
+    if (num_tokens < 0) return colibri_set_error(bad, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
+    size_t act_size = colibri_dtype_size(act_dtype);
+    if (act_size == 0) return colibri_set_error(bad, "act_dtype %d is not a known dtype", (int)act_dtype);
+    if (!ctx->router_weight && !ctx->cfg.routing_fn)
+        return colibri_set_error(bad, "no routing: the context has no router weights and no routing_fn");
+    if (num_tokens == 0) return COLIBRI_OK;
+    if (!input || !topk_ids || !topk_weights)
+        return colibri_set_error(bad, "%s is NULL", !input ? "input" : !topk_ids ? "topk_ids" : "topk_weights");
+    const int64_t chunk = ctx->cfg.workspace_tokens, k = ctx->cfg.top_k;
+    const size_t in_row = (size_t)ctx->cfg.hidden_size * act_size;
+    for (int64_t t0 = 0; t0 < num_tokens; t0 += chunk) {
+        const int64_t n = num_tokens - t0 < chunk ? num_tokens - t0 : chunk;
+        const char *in = (const char *)input + (size_t)t0 * in_row;
+        colibri_status_t st =
+            ctx->cfg.device == COLIBRI_DEVICE_CPU
+                ? colibri_cpu_route(ctx, n, act_dtype, in, topk_ids + t0 * k, topk_weights + t0 * k)
+                : colibri_cuda_route(ctx, n, act_dtype, in, topk_ids + t0 * k, topk_weights + t0 * k, stream);
+        if (st != COLIBRI_OK) return st;
+    }
+    return COLIBRI_OK;
+}
+
+colibri_status_t colibri_moe_context_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset) {
+    if (!ctx) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "ctx is NULL");
+    if (!counts) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "counts is NULL");
+    if (reset != 0 && reset != 1) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "reset must be 0 or 1");
+    return ctx->cfg.device == COLIBRI_DEVICE_CPU ? colibri_cpu_expert_counts(ctx, counts, reset)
+                                                 : colibri_cuda_expert_counts(ctx, counts, reset);
+}
+
 colibri_status_t colibri_moe_context_take_device_error(colibri_moe_context_t *ctx) {
     if (!ctx) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "ctx is NULL");
     return ctx->cfg.device == COLIBRI_DEVICE_CUDA ? colibri_cuda_take_device_error(ctx) : COLIBRI_OK;

@@ -21,6 +21,17 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t n, col
     return not_built();
 }
 
+colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t n, colibri_dtype_t a, const void *in,
+                                    int32_t *ids, float *wts, void *stream) {
+    (void)ctx; (void)n; (void)a; (void)in; (void)ids; (void)wts; (void)stream;
+    return not_built();
+}
+
+colibri_status_t colibri_cuda_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset) {
+    (void)ctx; (void)counts; (void)reset;
+    return not_built();
+}
+
 colibri_status_t colibri_cuda_take_device_error(colibri_moe_context_t *ctx) { (void)ctx; return not_built(); }
 void colibri_cuda_destroy(colibri_moe_context_t *ctx) { (void)ctx; }
 int32_t colibri_cuda_built_impl(void) { return 0; }

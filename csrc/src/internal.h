@@ -43,6 +43,9 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
 colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens,
                                      colibri_dtype_t act_dtype, const void *input,
                                      const int32_t *topk_ids, const float *topk_weights, void *output);
+colibri_status_t colibri_cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                   const void *input, int32_t *topk_ids, float *topk_weights);
+colibri_status_t colibri_cpu_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset);
 void colibri_cpu_destroy(colibri_moe_context_t *ctx);
 
 colibri_status_t colibri_cuda_init(colibri_moe_context_t *ctx, const void *expert_weights,
@@ -51,6 +54,9 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
                                       colibri_dtype_t act_dtype, const void *input,
                                       const int32_t *topk_ids, const float *topk_weights,
                                       void *output, void *stream);
+colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                    const void *input, int32_t *topk_ids, float *topk_weights, void *stream);
+colibri_status_t colibri_cuda_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset);
 colibri_status_t colibri_cuda_take_device_error(colibri_moe_context_t *ctx);
 void colibri_cuda_destroy(colibri_moe_context_t *ctx);
 int32_t colibri_cuda_built_impl(void);
