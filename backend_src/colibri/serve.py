@@ -1,0 +1,214 @@
+"""`python -m colibri serve`: runs the real tritonserver shipped in the nvidia-pytriton wheel on the
+Colibri model repository, bound to 127.0.0.1, until Ctrl-C.
+
+The wheel carries the server, its Python backend and one backend stub per Python version, but not
+laid out as a backend directory for *this* interpreter. Rather than editing site-packages, each launch
+builds a throw-away run folder:
+
+    RUN/backends/python/   the wheel's libtriton_python.so and utils, plus the stub for this Python
+    RUN/models/<model>/    the repository's files, with config.pbtxt rewritten for --device / --dtype
+
+The stub embeds libpython and takes its sys.prefix from the first `python3` on PATH, so putting this
+interpreter's folder first on PATH gives model.py the same site-packages (numpy<2, cffi, colibri).
+"""
+
+import argparse
+import ctypes
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
+MODEL_NAME = "colibri_moe"
+DEFAULT_WEIGHTS_NAME = "weights.colibri.safetensors"
+
+# Activation dtypes the model can serve, as Triton names them in config.pbtxt.
+TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
+INSTANCE_KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
+
+
+class ServeError(RuntimeError):
+    """A problem the user can fix (missing server, bad repository); printed without a traceback."""
+
+
+def find_tritonserver() -> Path:
+    """Folder `tritonserver/` of the installed nvidia-pytriton wheel (holds bin/, backends/, stubs)."""
+    try:
+        import pytriton
+    except ImportError as exc:
+        raise ServeError("nvidia-pytriton is not installed: `make venv` installs it "
+                         "(pinned in constraints.txt)") from exc
+    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    if not os.access(root / "bin" / "tritonserver", os.X_OK):
+        raise ServeError(f"no tritonserver binary in {root}/bin")
+    return root
+
+
+def python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def install_python_backend(server_root: Path, run_dir: Path) -> Path:
+    """Backend directory holding the Python backend with the stub matching this interpreter."""
+    stub = server_root / "python_backend_stubs" / python_version() / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServeError(f"nvidia-pytriton has no Python backend stub for Python {python_version()}")
+    backend = run_dir / "backends" / "python"
+    backend.mkdir(parents=True)
+    wheel_backend = server_root / "backends" / "python"
+    for source in (wheel_backend / "libtriton_python.so",
+                   wheel_backend / "triton_python_backend_utils.py", stub):
+        (backend / source.name).symlink_to(source)
+    return backend.parent
+
+
+def configure_model(config_text: str, device: str, dtype: str) -> str:
+    """config.pbtxt with the instance kind and the activation dtype (hidden_states, output) replaced."""
+    def replace_once(pattern: str, replacement: str, text: str) -> str:
+        text, count = re.subn(pattern, replacement, text, flags=re.S)
+        if count != 1:
+            raise ServeError(f"config.pbtxt: expected one match of {pattern!r}, found {count}")
+        return text
+
+    text = replace_once(r"kind:\s*KIND_\w+", f"kind: {INSTANCE_KINDS[device]}", config_text)
+    for tensor in ("hidden_states", "output"):
+        text = replace_once(rf'(name:\s*"{tensor}"\s*data_type:\s*)TYPE_\w+',
+                            rf"\g<1>{TRITON_DTYPES[dtype]}", text)
+    return text
+
+
+def stage_repository(repository: Path, run_dir: Path, device: str, dtype: str) -> Path:
+    """A copy of the repository made of links, with colibri_moe's config rewritten."""
+    staged = run_dir / "models"
+    for model in sorted(p for p in repository.iterdir() if p.is_dir()):
+        target = staged / model.name
+        target.mkdir(parents=True)
+        for entry in model.iterdir():
+            if model.name == MODEL_NAME and entry.name == "config.pbtxt":
+                (target / entry.name).write_text(configure_model(entry.read_text(), device, dtype))
+            else:
+                (target / entry.name).symlink_to(entry.resolve())
+    if not (staged / MODEL_NAME / "config.pbtxt").exists():
+        raise ServeError(f"{repository} has no {MODEL_NAME}/config.pbtxt")
+    return staged
+
+
+def ensure_weights(weights: Path | None, repository: Path) -> Path:
+    """The checkpoint to serve; without --weights, a demo one written once into the version folder."""
+    if weights is not None:
+        if not weights.is_file():
+            raise ServeError(f"--weights {weights}: no such file")
+        return weights.resolve()
+    default = repository / MODEL_NAME / "1" / DEFAULT_WEIGHTS_NAME
+    if not default.exists():
+        from colibri import checkpoint
+        checkpoint.write_demo(default)
+        print(f"colibri serve: wrote a demo checkpoint to {default}", flush=True)
+    return default.resolve()
+
+
+def server_environment(weights: Path) -> dict:
+    import colibri
+    env = dict(os.environ)
+    libs = [str(find_tritonserver().parents[1] / "nvidia_pytriton.libs"),
+            sysconfig.get_config_var("LIBDIR") or ""]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    package_parent = str(Path(colibri.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([package_parent, env.get("PYTHONPATH", "")])
+    env["COLIBRI_WEIGHTS"] = str(weights)
+    return env
+
+
+def _die_with_parent():
+    """Runs in the child: the server gets SIGTERM if the launcher dies without forwarding a signal."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise ServeError(f"tritonserver exited with status {server.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s ({url})")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m colibri serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address the three endpoints bind to")
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="packed checkpoint (*.colibri.safetensors); default: a demo checkpoint "
+                             f"in {MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME}, written if missing")
+    parser.add_argument("--device", choices=sorted(INSTANCE_KINDS), default="auto",
+                        help="auto: one instance per GPU, or one CPU instance on a host without GPU")
+    parser.add_argument("--dtype", choices=sorted(TRITON_DTYPES), default="fp32",
+                        help="dtype of hidden_states and output on the wire")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        server_root = find_tritonserver()
+        repository = args.model_repository.resolve()
+        weights = ensure_weights(args.weights, repository)
+        with tempfile.TemporaryDirectory(prefix="colibri-serve-") as run_dir:
+            run_dir = Path(run_dir)
+            command = [
+                str(server_root / "bin" / "tritonserver"),
+                "--model-repository", str(stage_repository(repository, run_dir, args.device, args.dtype)),
+                "--backend-directory", str(install_python_backend(server_root, run_dir)),
+                "--model-control-mode", "none",
+                "--http-address", args.host, "--http-port", str(args.http_port),
+                "--grpc-address", args.host, "--grpc-port", str(args.grpc_port),
+                "--metrics-address", args.host, "--metrics-port", str(args.metrics_port),
+            ]
+            return run_server(command, server_environment(weights), args, weights)
+    except ServeError as exc:
+        print(f"colibri serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_server(command, env, args, weights) -> int:
+    # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
+    server = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+
+    def forward(signum, _frame):
+        server.send_signal(signum)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    try:
+        wait_until_ready(server, f"http://{args.host}:{args.http_port}/v2/health/ready", args.ready_timeout)
+        print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
+              f"  HTTP    http://{args.host}:{args.http_port}/v2/models/{MODEL_NAME}/infer\n"
+              f"  gRPC    {args.host}:{args.grpc_port}\n"
+              f"  metrics http://{args.host}:{args.metrics_port}/metrics\n"
+              f"  stop with Ctrl-C (or SIGTERM to pid {os.getpid()})", flush=True)
+    except ServeError:
+        server.terminate()
+        server.wait()
+        raise
+    return server.wait()

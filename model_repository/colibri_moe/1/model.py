@@ -1,0 +1,132 @@
+"""Triton Python-backend model serving one Colibri MoE layer (inputs and outputs: config.pbtxt).
+
+Requests whose inputs have the same feature shapes are joined along the token axis and computed in
+one forward; the layer checks every input (shape, expert ids in range, finite weights, ids and
+weights together) before it computes anything. If a joined forward is refused as invalid, each of
+its requests is run alone, so only the bad ones get an INVALID_ARG error naming the input.
+Tensors move through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
+"""
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import colibri
+from colibri.dlpack import take
+from colibri.dtypes import ITEMSIZE
+
+STATUS_INVALID_ARGUMENT = 1  # colibri_status_t COLIBRI_ERR_INVALID_ARGUMENT: bad input
+INPUTS = ("hidden_states", "topk_ids", "topk_weights")
+FORWARD_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0]
+
+
+class HostBatch:
+    """Joins requests on the host with numpy; results stay colibri.Tensor (bf16 included)."""
+
+    def join(self, tensors):
+        if len(tensors) == 1:
+            return tensors[0].to_dlpack()
+        views = [take(t.name(), t.to_dlpack()) for t in tensors]
+        try:
+            return colibri.Tensor.from_numpy(np.concatenate([v.host_array() for v in views]), views[0].dtype)
+        finally:
+            for view in views:
+                view.release()
+
+    @staticmethod
+    def rows(out, start, stop):
+        row_bytes = out.shape[1] * ITEMSIZE[out.dtype]
+        return colibri.Tensor(out, out.data_ptr + start * row_bytes, (stop - start, out.shape[1]), out.dtype,
+                              *out.__dlpack_device__())
+
+
+class DeviceBatch:
+    """Joins requests on the instance's GPU with torch; plain gRPC/HTTP inputs arrive on the host."""
+
+    def __init__(self, device_id):
+        import torch
+        self.torch = torch
+        self.device = torch.device("cuda", device_id)
+
+    def join(self, tensors):
+        parts = [self.torch.utils.dlpack.from_dlpack(t.to_dlpack()).to(self.device) for t in tensors]
+        return parts[0] if len(parts) == 1 else self.torch.cat(parts)
+
+    @staticmethod
+    def rows(out, start, stop):
+        return out[start:stop]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        weights = os.environ.get("COLIBRI_WEIGHTS") or config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
+        version_dir = os.path.join(args["model_repository"], args["model_version"])
+        path = os.path.join(version_dir, weights)  # an absolute `weights` replaces version_dir
+        on_gpu = args["model_instance_kind"] == "GPU"
+        device_id = int(args["model_instance_device_id"])
+        self.layer = colibri.MoELayer.from_file(path, device="cuda" if on_gpu else "cpu", device_id=device_id)
+        self.batch = DeviceBatch(device_id) if on_gpu else HostBatch()
+
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        tokens = pb_utils.MetricFamily(
+            name="colibri_expert_tokens_total",
+            description="Tokens routed to each expert (one count per token and chosen expert)",
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.expert_tokens = [tokens.Metric(labels={**labels, "expert": str(e)})
+                              for e in range(self.layer.config.num_experts)]
+        seconds = pb_utils.MetricFamily(
+            name="colibri_forward_seconds",
+            description="Time to compute one batch of requests: its MoE forwards until the device is done",
+            kind=pb_utils.MetricFamily.HISTOGRAM)
+        self.forward_seconds = seconds.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
+        pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        groups = {}
+        for index, request in enumerate(requests):
+            inputs = [pb_utils.get_input_tensor_by_name(request, name) for name in INPUTS]
+            key = tuple(None if t is None else tuple(t.shape()[1:]) for t in inputs)
+            groups.setdefault(key, []).append((index, inputs))
+        start = time.perf_counter()
+        for members in groups.values():
+            self._run(members, responses)
+        try:
+            counts = self.layer.expert_counts(reset=True)  # on a GPU this waits for the forwards
+            self.forward_seconds.observe(time.perf_counter() - start)
+            for metric, count in zip(self.expert_tokens, counts.tolist()):
+                if count:
+                    metric.increment(count)
+        except colibri.ColibriError as exc:
+            pb_utils.Logger.log_error(f"colibri_moe: metrics not updated: {exc}")
+        return responses
+
+    def _run(self, members, responses):
+        """One forward for the members' tokens; an answer for each member in responses."""
+        try:
+            joined = [None if members[0][1][j] is None else self.batch.join([inputs[j] for _, inputs in members])
+                      for j in range(len(INPUTS))]
+            out = self.layer.forward(*joined)
+            start = 0
+            for index, inputs in members:
+                stop = start + inputs[0].shape()[0]
+                rows = out if len(members) == 1 else self.batch.rows(out, start, stop)
+                responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("output", rows)])
+                start = stop
+        except colibri.ColibriError as exc:
+            if exc.status == STATUS_INVALID_ARGUMENT and len(members) > 1:
+                for member in members:
+                    self._run([member], responses)
+            else:
+                code = pb_utils.TritonError.INVALID_ARG if exc.status == STATUS_INVALID_ARGUMENT else pb_utils.TritonError.INTERNAL
+                self._fail(members, responses, str(exc), code)
+        except Exception as exc:  # execute must not raise: that would fail every request of the batch
+            self._fail(members, responses, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+
+    @staticmethod
+    def _fail(members, responses, message, code):
+        for index, _ in members:
+            responses[index] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
