@@ -73,11 +73,13 @@ $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 
 ctests: $(C_TESTS)
 
-# The Python environment: every pin comes from constraints.txt.
-$(VENV)/.installed: constraints.txt
+# The Python environment: every pin comes from constraints.txt. The colibri package is installed
+# editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it.
+$(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest setuptools wheel
+	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest safetensors setuptools wheel
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	touch $@
 venv: $(VENV)/.installed
 

@@ -1,0 +1,103 @@
+"""python -m colibri {pack,demo,serve,bench,info}"""
+import argparse
+import importlib
+import sys
+
+from colibri import checkpoint
+from colibri._native import ColibriError
+from colibri.layer import EXPERT_KINDS, ROUTINGS
+
+
+def _delegate(module: str, argv) -> int:
+    # serve and bench live in modules of their own (with their own options): import only when asked.
+    try:
+        target = importlib.import_module(f"colibri.{module}")
+    except ImportError as exc:
+        print(f"colibri {module}: colibri/{module}.py is not available ({exc})", file=sys.stderr)
+        return 2
+    return target.main(list(argv)) or 0
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m colibri", description="Colibri MoE layer engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="serve with tritonserver (options: python -m colibri serve --help)")
+    sub.add_parser("bench", help="benchmarks (options: python -m colibri bench --help)")
+
+    pack = sub.add_parser("pack", help="convert one MoE layer of a Hugging Face safetensors checkpoint")
+    pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
+    pack.add_argument("--out", required=True, help="output *.colibri.safetensors")
+    pack.add_argument("--layer", type=int, help="decoder layer index (default: the first MoE layer)")
+    pack.add_argument("--dtype", default="keep", choices=("keep", "bf16", "fp16", "fp32"))
+    pack.add_argument("--top-k", type=int, help="override config.json num_experts_per_tok")
+    pack.add_argument("--routing", choices=ROUTINGS, help="override the routing derived from config.json")
+    pack.add_argument("--renormalize", type=_bool, help="override config.json norm_topk_prob (true|false)")
+    pack.add_argument("--routed-scaling-factor", type=float, help="override config.json routed_scaling_factor")
+    pack.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    demo = sub.add_parser("demo", help="write a synthetic demo checkpoint")
+    d = checkpoint.DEMO_DEFAULTS
+    demo.add_argument("--out", required=True)
+    demo.add_argument("--experts", type=int, default=d["experts"])
+    demo.add_argument("--top-k", type=int, default=d["top_k"])
+    demo.add_argument("--hidden", type=int, default=d["hidden"])
+    demo.add_argument("--intermediate", type=int, default=d["intermediate"])
+    demo.add_argument("--dtype", default=d["dtype"], choices=("bf16", "fp16", "fp32"))
+    demo.add_argument("--seed", type=int, default=d["seed"])
+    demo.add_argument("--routing", default=d["routing"], choices=ROUTINGS)
+    demo.add_argument("--kind", default=d["kind"], choices=EXPERT_KINDS)
+    demo.add_argument("--renormalize", type=_bool, default=None)
+    demo.add_argument("--routed-scaling-factor", type=float, default=1.0)
+
+    info = sub.add_parser("info", help="print a packed checkpoint's configuration")
+    info.add_argument("file")
+    return parser
+
+
+def _info(path) -> None:
+    ckpt = checkpoint.load(path)
+    for field, value in vars(ckpt.config).items():
+        print(f"{field:22} {value}")
+    for name, tensor in ckpt.file.tensors.items():
+        print(f"tensor {name:15} {tensor.dtype:5} {list(tensor.shape)}")
+    for key, value in sorted(ckpt.metadata.items()):
+        if key not in checkpoint.config_metadata(ckpt.config):
+            print(f"metadata {key:20} {value}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("serve", "bench"):
+        return _delegate(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "pack":
+            from colibri import pack
+            pack.pack(args.src, args.out, layer=args.layer, dtype=args.dtype, top_k=args.top_k,
+                      routing=args.routing, renormalize=args.renormalize,
+                      routed_scaling_factor=args.routed_scaling_factor, progress=not args.quiet)
+            print(f"colibri pack: wrote {args.out}")
+        elif args.command == "demo":
+            config = checkpoint.write_demo(args.out, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                                           intermediate=args.intermediate, dtype=args.dtype, seed=args.seed,
+                                           routing=args.routing, kind=args.kind, renormalize=args.renormalize,
+                                           routed_scaling_factor=args.routed_scaling_factor)
+            print(f"colibri demo: wrote {args.out} ({config})")
+        elif args.command == "info":
+            _info(args.file)
+    except ColibriError as exc:
+        print(f"colibri {args.command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The compiled binding (colibri._colibri_cffi), the status codes and ColibriError."""
+try:
+    from colibri._colibri_cffi import ffi, lib
+except ImportError as exc:  # the extension is built by `make python`, not by pip
+    raise ImportError(
+        f"colibri: the native extension is missing or cannot load ({exc}); build it with `make` "
+        "(or `python backend_src/colibri/_ffi_build.py --lib build/libcolibri.so`)") from exc
+
+STATUS_OK = lib.COLIBRI_OK
+STATUS_INVALID_ARGUMENT = lib.COLIBRI_ERR_INVALID_ARGUMENT
+STATUS_OUT_OF_MEMORY = lib.COLIBRI_ERR_OUT_OF_MEMORY
+STATUS_UNSUPPORTED = lib.COLIBRI_ERR_UNSUPPORTED
+STATUS_CUDA = lib.COLIBRI_ERR_CUDA
+STATUS_ROUTING = lib.COLIBRI_ERR_ROUTING
+STATUS_INTERNAL = lib.COLIBRI_ERR_INTERNAL
+
+DTYPE_CODES = {"fp32": lib.COLIBRI_DTYPE_F32, "fp16": lib.COLIBRI_DTYPE_F16, "bf16": lib.COLIBRI_DTYPE_BF16}
+EXPERT_KIND_CODES = {"swiglu": lib.COLIBRI_EXPERT_SWIGLU, "linear": lib.COLIBRI_EXPERT_LINEAR}
+ROUTING_CODES = {
+    "softmax_topk": lib.COLIBRI_ROUTING_SOFTMAX_TOPK,
+    "topk_softmax": lib.COLIBRI_ROUTING_TOPK_SOFTMAX,
+    "sigmoid_bias": lib.COLIBRI_ROUTING_SIGMOID_BIAS,
+}
+DEVICE_CODES = {"cpu": lib.COLIBRI_DEVICE_CPU, "cuda": lib.COLIBRI_DEVICE_CUDA}
+
+
+def status_name(status: int) -> str:
+    return ffi.string(lib.colibri_status_string(status)).decode()
+
+
+class ColibriError(Exception):
+    """A failure of the library (status and message from colibri_status_string / colibri_last_error)
+    or bad input found in Python before the call (status STATUS_INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str, status: int = STATUS_INVALID_ARGUMENT):
+        super().__init__(message)
+        self.status = int(status)
+        self.status_name = status_name(self.status)
+
+    def __str__(self) -> str:
+        return f"{self.status_name}: {self.args[0]}"
+
+
+def check(status: int, what: str) -> None:
+    """Raises ColibriError for a non-OK status, with the library's message for this thread."""
+    if status != STATUS_OK:
+        detail = ffi.string(lib.colibri_last_error()).decode(errors="replace")
+        raise ColibriError(f"{what}: {detail}" if detail else what, status)
+
+
+def invalid(message: str) -> ColibriError:
+    return ColibriError(message, STATUS_INVALID_ARGUMENT)
