@@ -17,7 +17,6 @@ import colibri
 from colibri.dlpack import take
 from colibri.dtypes import ITEMSIZE
 
-STATUS_INVALID_ARGUMENT = 1  # colibri_status_t COLIBRI_ERR_INVALID_ARGUMENT: bad input
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 FORWARD_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0]
 
@@ -71,17 +70,18 @@ class TritonPythonModel:
         self.batch = DeviceBatch(device_id) if on_gpu else HostBatch()
 
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        tokens = pb_utils.MetricFamily(
+        # The families must outlive their metrics: the backend refuses to update orphaned ones.
+        self.tokens_family = pb_utils.MetricFamily(
             name="colibri_expert_tokens_total",
             description="Tokens routed to each expert (one count per token and chosen expert)",
             kind=pb_utils.MetricFamily.COUNTER)
-        self.expert_tokens = [tokens.Metric(labels={**labels, "expert": str(e)})
+        self.expert_tokens = [self.tokens_family.Metric(labels={**labels, "expert": str(e)})
                               for e in range(self.layer.config.num_experts)]
-        seconds = pb_utils.MetricFamily(
+        self.seconds_family = pb_utils.MetricFamily(
             name="colibri_forward_seconds",
             description="Time to compute one batch of requests: its MoE forwards until the device is done",
             kind=pb_utils.MetricFamily.HISTOGRAM)
-        self.forward_seconds = seconds.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
+        self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
         pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
 
     def execute(self, requests):
@@ -100,8 +100,8 @@ class TritonPythonModel:
             for metric, count in zip(self.expert_tokens, counts.tolist()):
                 if count:
                     metric.increment(count)
-        except colibri.ColibriError as exc:
-            pb_utils.Logger.log_error(f"colibri_moe: metrics not updated: {exc}")
+        except Exception as exc:  # the answers are ready: a metrics failure must not fail them
+            pb_utils.Logger.log_error(f"colibri_moe: metrics not updated: {type(exc).__name__}: {exc}")
         return responses
 
     def _run(self, members, responses):
@@ -117,11 +117,11 @@ class TritonPythonModel:
                 responses[index] = pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack("output", rows)])
                 start = stop
         except colibri.ColibriError as exc:
-            if exc.status == STATUS_INVALID_ARGUMENT and len(members) > 1:
+            if exc.status == colibri.STATUS_INVALID_ARGUMENT and len(members) > 1:
                 for member in members:
                     self._run([member], responses)
             else:
-                code = pb_utils.TritonError.INVALID_ARG if exc.status == STATUS_INVALID_ARGUMENT else pb_utils.TritonError.INTERNAL
+                code = pb_utils.TritonError.INVALID_ARG if exc.status == colibri.STATUS_INVALID_ARGUMENT else pb_utils.TritonError.INTERNAL
                 self._fail(members, responses, str(exc), code)
         except Exception as exc:  # execute must not raise: that would fail every request of the batch
             self._fail(members, responses, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)

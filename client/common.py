@@ -1,0 +1,168 @@
+"""What the Colibri clients share: arguments, the requests they send, the float64 reference their
+answers are checked against, and the request flow through shared memory.
+
+A client supplies `infer(inputs) -> output`: inputs is a list of (name, numpy array, Triton
+datatype) — hidden_states, plus topk_ids and topk_weights when the routing is explicit — and output
+the model's `output` as a numpy array. `main` sends random hidden states with the layer's own routing
+(when the checkpoint has a router) and with explicit routing, compares each answer with
+colibri.reference computed from the same packed checkpoint, prints PASS or FAIL per case and exits
+non-zero on any FAIL.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if (REPO_ROOT / "backend_src" / "colibri").is_dir():  # run from a checkout: its package, built or not
+    sys.path.insert(0, str(REPO_ROOT / "backend_src"))
+
+from colibri import checkpoint, reference  # noqa: E402  (path set above)
+
+MODEL = "colibri_moe"
+DEFAULT_WEIGHTS = REPO_ROOT / "model_repository" / MODEL / "1" / "weights.colibri.safetensors"
+WIRE_DTYPES = {"fp32": ("FP32", np.float32), "fp16": ("FP16", np.float16)}
+# Largest accepted max |output - reference| / max |reference|: rounding of the activations' dtype
+# (the reference is computed from exactly the values sent, with the stored weights).
+TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3}
+# Rows whose k-th and (k+1)-th routing scores are closer than this are redrawn: either expert would
+# be a right answer there, and the check could not tell which one the server picked.
+MIN_TOPK_MARGIN = 1e-4
+
+
+def parser(description: str, default_url: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--url", default=default_url, help=f"server address (default {default_url})")
+    p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS,
+                   help="the packed checkpoint the server serves (default: the repository's demo one)")
+    p.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="fp32",
+                   help="activation dtype the server was started with (serve --dtype)")
+    p.add_argument("--tokens", type=int, default=7, help="tokens per request")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+class Layer:
+    """The served layer as the reference sees it, loaded from the packed checkpoint."""
+
+    def __init__(self, path: Path):
+        ckpt = checkpoint.load(path)
+        self.config, self.experts = ckpt.config, np.asarray(ckpt.experts)
+        self.router = None if ckpt.router is None else np.asarray(ckpt.router)
+        self.router_bias = None if ckpt.router_bias is None else np.asarray(ckpt.router_bias)
+
+    def hidden_states(self, tokens: int, rng, wire) -> np.ndarray:
+        """Random hidden states in the wire dtype whose routing (if the layer routes) is unambiguous."""
+        x = rng.standard_normal((tokens, self.config.hidden_size)).astype(wire)
+        if self.router is None:
+            return x
+        while True:
+            _, _, scores = reference.route(self.config, x, self.router, self.router_bias)
+            close = reference.topk_margin(scores, self.config.top_k) < MIN_TOPK_MARGIN
+            if not close.any():
+                return x
+            x[close] = rng.standard_normal((int(close.sum()), self.config.hidden_size)).astype(wire)
+
+    def routing(self, tokens: int, rng):
+        """Explicit routing: k distinct experts per token and positive weights."""
+        E, k = self.config.num_experts, self.config.top_k
+        ids = np.argsort(rng.random((tokens, E)), axis=1)[:, :k].astype(np.int32)
+        weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
+        return ids, weights
+
+    def expected(self, x, ids=None, weights=None) -> np.ndarray:
+        return reference.moe_forward(self.config, self.experts, x.astype(np.float64), ids, weights,
+                                     self.router, self.router_bias)
+
+
+def requests(layer: Layer, tokens: int, dtype: str, seed: int):
+    """(case name, inputs, expected output) for each case the clients check."""
+    datatype, wire = WIRE_DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    cases = []
+    if layer.router is not None:
+        x = layer.hidden_states(tokens, rng, wire)
+        cases.append(("router routing", [("hidden_states", x, datatype)], layer.expected(x)))
+    x = layer.hidden_states(tokens, rng, wire)
+    ids, weights = layer.routing(tokens, rng)
+    cases.append(("explicit routing",
+                  [("hidden_states", x, datatype), ("topk_ids", ids, "INT32"), ("topk_weights", weights, "FP32")],
+                  layer.expected(x, ids, weights)))
+    return cases
+
+
+def relative_error(output, expected) -> float:
+    output = np.asarray(output, np.float64)
+    if output.shape != expected.shape:
+        return float("inf")
+    return float(np.max(np.abs(output - expected)) / max(float(np.max(np.abs(expected))), 1e-30))
+
+
+def check(infer, layer: Layer, args) -> bool:
+    """Sends every case through infer; prints one line per case and the verdict; True if all pass."""
+    ok = True
+    for name, inputs, expected in requests(layer, args.tokens, args.dtype, args.seed):
+        try:
+            output = infer(inputs)
+        except Exception as exc:  # a transport or server error is this case's FAIL, with its reason
+            print(f"FAIL {name}: {type(exc).__name__}: {exc}")
+            ok = False
+            continue
+        error = relative_error(output, expected)
+        passed = error <= TOLERANCE[args.dtype]
+        ok &= passed
+        print(f"{'PASS' if passed else 'FAIL'} {name}: T={args.tokens} output {list(np.shape(output))}, "
+              f"max relative error {error:.2e} (limit {TOLERANCE[args.dtype]:.0e})")
+    print("PASS" if ok else "FAIL")
+    return ok
+
+
+def main(description: str, default_url: str, make_infer, add_arguments=None) -> None:
+    """Parses arguments (the client's own through add_arguments(parser)), builds the client's infer
+    with make_infer(args, layer) and checks every case."""
+    p = parser(description, default_url)
+    if add_arguments is not None:
+        add_arguments(p)
+    args = p.parse_args()
+    layer = Layer(args.weights)
+    sys.exit(0 if check(make_infer(args, layer), layer, args) else 1)
+
+
+class SharedMemoryInfer:
+    """infer() through shared-memory regions registered with the server over gRPC: each input is
+    written into a region of its own, the output lands in another, and all are unregistered and
+    freed after the request. Subclasses say how a region is handled: create(name, nbytes) -> handle,
+    write(handle, array), register(name, handle, nbytes), read(handle, datatype, wire, shape) -> numpy,
+    unregister(name), destroy(handle)."""
+
+    def __init__(self, client, layer_out_features: int, dtype: str, prefix: str):
+        self.client, self.out_features, self.prefix = client, layer_out_features, prefix
+        self.datatype, self.wire = WIRE_DTYPES[dtype]
+
+    def __call__(self, inputs):
+        import tritonclient.grpc as grpcclient
+        regions = []  # (name, handle)
+        try:
+            tensors = []
+            for name, array, datatype in inputs:
+                handle = self.create(f"{self.prefix}_{name}", array.nbytes)
+                regions.append((f"{self.prefix}_{name}", handle))
+                self.write(handle, array)
+                self.register(f"{self.prefix}_{name}", handle, array.nbytes)
+                tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+                tensor.set_shared_memory(f"{self.prefix}_{name}", array.nbytes)
+                tensors.append(tensor)
+            shape = (inputs[0][1].shape[0], self.out_features)
+            nbytes = int(np.prod(shape)) * np.dtype(self.wire).itemsize
+            handle = self.create(f"{self.prefix}_output", nbytes)
+            regions.append((f"{self.prefix}_output", handle))
+            self.register(f"{self.prefix}_output", handle, nbytes)
+            requested = grpcclient.InferRequestedOutput("output")
+            requested.set_shared_memory(f"{self.prefix}_output", nbytes)
+            self.client.infer(MODEL, tensors, outputs=[requested])
+            return self.read(handle, self.datatype, self.wire, shape)
+        finally:
+            for name, handle in reversed(regions):
+                self.unregister(name)
+                self.destroy(handle)

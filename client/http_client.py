@@ -1,0 +1,31 @@
+"""Sends random hidden states to colibri_moe over HTTP with plain JSON bodies (no binary extension,
+only the standard library) and checks the answers (see common.py)."""
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+
+from common import MODEL, main
+
+
+def make_infer(args, layer):
+    url = f"http://{args.url}/v2/models/{MODEL}/infer"
+
+    def infer(inputs):
+        body = {"inputs": [{"name": name, "shape": list(array.shape), "datatype": datatype,
+                            "data": array.ravel().tolist()} for name, array, datatype in inputs],
+                "outputs": [{"name": "output"}]}
+        request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request) as reply:
+                output = json.load(reply)["outputs"][0]
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"HTTP {exc.code}: {exc.read().decode(errors='replace')}") from exc
+        return np.asarray(output["data"], np.float64).reshape(output["shape"])
+
+    return infer
+
+
+if __name__ == "__main__":
+    main(__doc__, "127.0.0.1:8000", make_infer)
