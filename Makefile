@@ -22,9 +22,9 @@ NVCC        ?= $(shell command -v nvcc 2>/dev/null)
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
 CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
+comma := ,
 NVCC_GENCODE := $(foreach a,$(CUDA_ARCH),-gencode=arch=compute_$(a),code=sm_$(a)) \
                 $(if $(filter 90,$(CUDA_ARCH)),-gencode=arch=compute_90a$(comma)code=sm_90a)
-comma := ,
 NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr $(NVCC_GENCODE)
 
 C_SRCS      := csrc/src/colibri.c $(wildcard csrc/src/cpu/*.c)
