@@ -51,12 +51,13 @@ def route(config, x, router, router_bias=None):
 
 
 def topk_margin(scores, k: int) -> np.ndarray:
-    """Per row, the gap between the k-th and (k+1)-th highest selection score (inf when k == E): a
-    row whose margin is within rounding error may legitimately pick either expert."""
-    if k >= scores.shape[1]:
+    """Per row, the smallest gap between consecutive scores among the k+1 highest (the k highest when
+    k == E). A row whose margin is within rounding error may legitimately select, or order, its
+    experts differently from this reference."""
+    ordered = -np.sort(-scores, axis=1)[:, :k + 1]
+    if ordered.shape[1] < 2:
         return np.full(scores.shape[0], np.inf)
-    ordered = -np.sort(-scores, axis=1)
-    return ordered[:, k - 1] - ordered[:, k]
+    return (ordered[:, :-1] - ordered[:, 1:]).min(axis=1)
 
 
 def expert_weights(config, experts, e: int):

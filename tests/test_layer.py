@@ -1,0 +1,309 @@
+"""MoELayer on the CPU against the float64 reference: every routing x expert kind x weight dtype x
+activation dtype at T = 1, 7, 64, 513, plus caller-given routing, chunking, counters, Python routing
+functions and every input error (each named, the layer still working after)."""
+import numpy as np
+import pytest
+
+import colibri
+from colibri import reference
+from colibri.dtypes import FLOAT_DTYPES, bf16_to_float32
+from colibri.testing import (assert_close, error_limit, random_hidden, random_layer, random_routing,
+                             routed_reference)
+
+TOKENS = (1, 7, 64, 513)
+ROUTINGS = {
+    "softmax_topk": dict(routing="softmax_topk", renormalize=False),
+    "softmax_topk_renorm": dict(routing="softmax_topk", renormalize=True),
+    "topk_softmax": dict(routing="topk_softmax", renormalize=False),
+    "sigmoid_bias_renorm_scaled": dict(routing="sigmoid_bias", renormalize=True, routed_scaling_factor=2.5),
+}
+POISON = {"fp32": np.float32(np.nan), "fp16": np.float16(np.nan), "bf16": np.uint16(0x7FC0)}
+
+
+def as_input(stored, dtype):
+    """numpy for fp32/fp16; bf16 (which numpy lacks) as a colibri.Tensor over the uint16 bits."""
+    return colibri.Tensor.from_numpy(stored, "bf16") if dtype == "bf16" else stored
+
+
+def poisoned(shape, dtype):
+    return as_input(np.full(shape, POISON[dtype]), dtype)
+
+
+def to_numpy(out):
+    return out.numpy() if isinstance(out, colibri.Tensor) else np.asarray(out)
+
+
+@pytest.mark.parametrize("act_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kind", ["swiglu", "linear"])
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_builtin_routing_matches_reference(rng, routing, kind, weight_dtype, act_dtype):
+    config, experts, router, bias = random_layer(rng, expert_kind=kind, weight_dtype=weight_dtype,
+                                                 **ROUTINGS[routing])
+    layer = colibri.MoELayer(config, experts, router, bias)
+    for T in TOKENS:
+        stored, x64 = random_hidden(rng, T, config.hidden_size, act_dtype)
+        ids, weights = layer.route(as_input(stored, act_dtype))
+        ids, weights = to_numpy(ids), to_numpy(weights)
+        ref, ref_ids, ref_weights, near = routed_reference(config, experts, x64, router, bias, ids)
+        assert_close(weights, ref_weights, 1e-5, f"T={T} routing weights")
+
+        out = poisoned((T, config.out_features), act_dtype)
+        result = layer.forward(as_input(stored, act_dtype), out=out)
+        assert result is out
+        assert_close(to_numpy(out), ref, error_limit(act_dtype, weight_dtype), f"T={T} output ({near.sum()} near-ties)")
+
+
+@pytest.mark.parametrize("act_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("weight_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("kind", ["swiglu", "linear"])
+def test_given_routing_matches_reference(rng, kind, weight_dtype, act_dtype):
+    config, experts, _, _ = random_layer(rng, expert_kind=kind, weight_dtype=weight_dtype, top_k=3,
+                                         with_router=False)
+    layer = colibri.MoELayer(config, experts)
+    for T in TOKENS:
+        stored, x64 = random_hidden(rng, T, config.hidden_size, act_dtype)
+        ids, weights = random_routing(rng, T, config.num_experts, config.top_k)
+        ref = reference.moe_forward(config, experts, x64, ids, weights)
+        out = layer.forward(as_input(stored, act_dtype), ids, weights)
+        assert type(out) is (colibri.Tensor if act_dtype == "bf16" else np.ndarray)
+        assert_close(to_numpy(out), ref, error_limit(act_dtype, weight_dtype), f"T={T}")
+        # int64 ids are range-checked and converted.
+        assert_close(to_numpy(layer.forward(as_input(stored, act_dtype), ids.astype(np.int64), weights)), ref,
+                     error_limit(act_dtype, weight_dtype), f"T={T} int64 ids")
+
+
+def test_odd_sizes_and_chunking(rng):
+    """Sizes no kernel tile divides, and more tokens than the workspace, so forward runs in chunks."""
+    config, experts, router, _ = random_layer(rng, num_experts=5, top_k=5, hidden_size=35, intermediate_size=19)
+    layer = colibri.MoELayer(config, experts, router, workspace_tokens=4)
+    stored, x64 = random_hidden(rng, 23, 35, "fp32")
+    ids, _ = layer.route(stored)
+    ref, *_ = routed_reference(config, experts, x64, router, None, ids)
+    assert_close(layer.forward(stored), ref, error_limit("fp32"))
+
+
+def test_zero_tokens(rng):
+    config, experts, router, _ = random_layer(rng)
+    layer = colibri.MoELayer(config, experts, router)
+    out = layer.forward(np.zeros((0, config.hidden_size), np.float32))
+    assert out.shape == (0, config.hidden_size) and out.dtype == np.float32
+
+
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+    config, experts, router, _ = random_layer(rng, weight_dtype="bf16")
+    layer = colibri.MoELayer(config, experts, router)
+    for dtype, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        stored, x64 = random_hidden(rng, 64, config.hidden_size, dtype)
+        x = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16) if dtype == "bf16" else torch.from_numpy(stored)
+        ids, weights = layer.route(x)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        ref, *_ = routed_reference(config, experts, x64, router, None, ids.numpy())
+        out = layer.forward(x)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch_dtype and out.device.type == "cpu"
+        assert_close(out.float().numpy(), ref, error_limit(dtype, "bf16"), f"torch {dtype}")
+        given = layer.forward(x, ids.long(), weights)
+        assert_close(given.float().numpy(), ref, error_limit(dtype, "bf16"), f"torch {dtype} given routing")
+
+
+def test_raw_capsules(rng):
+    """Raw DLPack capsules (what Triton's pb_utils.Tensor.to_dlpack() gives) in, colibri.Tensor out."""
+    config, experts, router, _ = random_layer(rng)
+    layer = colibri.MoELayer(config, experts, router)
+    stored, x64 = random_hidden(rng, 7, config.hidden_size, "fp32")
+    ids, weights = random_routing(rng, 7, config.num_experts, config.top_k)
+    out = layer.forward(stored.__dlpack__(), ids.__dlpack__(), weights.__dlpack__())
+    assert isinstance(out, colibri.Tensor) and out.shape == (7, config.hidden_size) and out.dtype == "fp32"
+    assert_close(out.numpy(), reference.moe_forward(config, experts, x64, ids, weights), error_limit("fp32"))
+    capsule = stored.__dlpack__()
+    layer.forward(capsule)
+    with pytest.raises(colibri.ColibriError, match="hidden_states: a PyCapsule named b'used_dltensor'"):
+        layer.forward(capsule)
+
+
+def test_expert_counts(rng):
+    config, experts, router, _ = random_layer(rng)
+    layer = colibri.MoELayer(config, experts, router)
+    expected = np.zeros(config.num_experts, np.uint64)
+    for T in (5, 9):
+        stored, _ = random_hidden(rng, T, config.hidden_size, "fp32")
+        ids, weights = random_routing(rng, T, config.num_experts, config.top_k)
+        layer.forward(stored, ids, weights)
+        expected += np.bincount(ids.ravel(), minlength=config.num_experts).astype(np.uint64)
+    counts = layer.expert_counts(reset=True)
+    assert counts.dtype == np.uint64 and (counts == expected).all()
+    assert (layer.expert_counts() == 0).all()
+
+
+def test_python_routing_fn(rng):
+    config, experts, router, _ = random_layer(rng)
+    chosen = {}
+
+    def routing_fn(hidden_states, router_logits):
+        assert hidden_states.shape == (len(router_logits), config.hidden_size)
+        ids = np.argsort(router_logits, axis=1)[:, :config.top_k]  # the LOWEST logits: unlike the built-in
+        chosen["ids"] = ids
+        return ids, np.full(ids.shape, 0.5, np.float32)
+
+    layer = colibri.MoELayer(config, experts, router, routing_fn=routing_fn)
+    stored, x64 = random_hidden(rng, 9, config.hidden_size, "fp32")
+    out = layer.forward(stored)
+    ref = reference.moe_forward(config, experts, x64, chosen["ids"], np.full(chosen["ids"].shape, 0.5))
+    assert_close(out, ref, error_limit("fp32"))
+
+    def failing(hidden_states, router_logits):
+        raise RuntimeError("no route today")
+    failing_layer = colibri.MoELayer(config, experts, router, routing_fn=failing)
+    with pytest.raises(colibri.ColibriError, match="routing_fn raised RuntimeError: no route today") as info:
+        failing_layer.forward(stored)
+    assert info.value.status == colibri.STATUS_ROUTING
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors: every bad input is named, and the layer still works afterwards.
+
+T_ERR, H_ERR = 3, 64
+
+
+def _bad_forward_cases():
+    x = np.ones((T_ERR, H_ERR), np.float32)
+    ids = np.zeros((T_ERR, 2), np.int32)
+    weights = np.ones((T_ERR, 2), np.float32)
+    ids_oob = ids.copy()
+    ids_oob[2, 1] = 9
+    ids_neg = ids.copy()
+    ids_neg[1, 0] = -1
+    w_nan = weights.copy()
+    w_nan[0, 1] = np.nan
+    w_inf = weights.copy()
+    w_inf[2, 0] = np.inf
+    return {
+        "wrong_hidden": ((np.ones((T_ERR, 512), np.float32),), r"hidden_states: expected shape \[T, 64\], got \[3, 512\]"),
+        "one_dim": ((np.ones(H_ERR, np.float32),), r"hidden_states: expected shape \[T, 64\], got \[64\]"),
+        "float64": ((x.astype(np.float64),), "hidden_states: expected dtype fp32 | fp16 | bf16, got fp64"),
+        "int_hidden": ((x.astype(np.int32),), "hidden_states: expected dtype fp32 | fp16 | bf16, got int32"),
+        "bf16_bits_as_uint16": ((x.view(np.uint16)[:, :H_ERR],), "hidden_states: expected dtype .* got uint16"),
+        "list": (([[1.0] * H_ERR],), "hidden_states: expected an array exporting DLPack"),
+        "id_out_of_range": ((x, ids_oob, weights), r"topk_ids: expert id 9 out of range \[0, 8\) at row 2"),
+        "id_negative": ((x, ids_neg, weights), r"topk_ids: expert id -1 out of range \[0, 8\) at row 1"),
+        "weight_nan": ((x, ids, w_nan), "topk_weights: not finite at row 0"),
+        "weight_inf": ((x, ids, w_inf), "topk_weights: not finite at row 2"),
+        "ids_shape": ((x, ids[:, :1], weights), r"topk_ids: expected shape \[3, 2\]"),
+        "weights_rows": ((x, ids, weights[:2]), r"topk_weights: expected shape \[3, 2\]"),
+        "ids_alone": ((x, ids, None), "topk_weights: topk_ids and topk_weights must be given together"),
+        "weights_alone": ((x, None, weights), "topk_ids: topk_ids and topk_weights must be given together"),
+        "ids_float": ((x, weights, weights), "topk_ids: expected dtype int32"),
+        "weights_float64": ((x, ids, weights.astype(np.float64)), "topk_weights: expected dtype fp32, got fp64"),
+        "out_shape": ((x, ids, weights, np.empty((T_ERR, 5), np.float32)), r"out: expected shape \[3, 64\]"),
+    }
+
+
+BAD_FORWARD = _bad_forward_cases()
+
+
+@pytest.fixture
+def small_layer(rng):
+    config, experts, router, _ = random_layer(rng, hidden_size=H_ERR)
+    return config, experts, router, colibri.MoELayer(config, experts, router)
+
+
+def _still_works(rng, config, experts, router, layer):
+    stored, x64 = random_hidden(rng, 4, config.hidden_size, "fp32")
+    ids, _ = layer.route(stored)
+    ref, *_ = routed_reference(config, experts, x64, router, None, ids)
+    assert_close(layer.forward(stored), ref, error_limit("fp32"), "after an error")
+
+
+@pytest.mark.parametrize("case", list(BAD_FORWARD))
+def test_bad_forward_input(rng, small_layer, case):
+    config, experts, router, layer = small_layer
+    args, message = BAD_FORWARD[case]
+    with pytest.raises(colibri.ColibriError, match=message) as info:
+        if len(args) == 4:
+            layer.forward(args[0], args[1], args[2], out=args[3])
+        else:
+            layer.forward(*args)
+    assert info.value.status == colibri.STATUS_INVALID_ARGUMENT and info.value.status_name == "invalid argument"
+    _still_works(rng, config, experts, router, layer)
+
+
+def test_bad_torch_inputs(rng, small_layer):
+    torch = pytest.importorskip("torch", reason="torch is not installed in this environment")
+    config, experts, router, layer = small_layer
+    strided = torch.ones((H_ERR, 3)).T
+    with pytest.raises(colibri.ColibriError, match="hidden_states: not C-contiguous"):
+        layer.forward(strided)
+    ids = torch.zeros((3, 2), dtype=torch.int64)
+    ids[1, 1] = 8
+    with pytest.raises(colibri.ColibriError, match=r"topk_ids: expert id 8 out of range \[0, 8\) at row 1"):
+        layer.forward(torch.ones((3, H_ERR)), ids, torch.ones((3, 2)))
+    _still_works(rng, config, experts, router, layer)
+
+
+def test_no_router_needs_routing(rng):
+    config, experts, _, _ = random_layer(rng, with_router=False)
+    layer = colibri.MoELayer(config, experts)
+    assert not layer.config.has_router
+    with pytest.raises(colibri.ColibriError, match="topk_ids: this layer has no router"):
+        layer.forward(np.ones((2, config.hidden_size), np.float32))
+    with pytest.raises(colibri.ColibriError, match="hidden_states: this layer has no router"):
+        layer.route(np.ones((2, config.hidden_size), np.float32))
+
+
+def _bad_construction_cases(config, experts, router):
+    E, H = config.num_experts, config.hidden_size
+    bad_router = router.copy()
+    bad_router[1, 2] = np.inf
+    sigmoid = dict(config=colibri.LayerConfig(**{**vars(config), "routing": "sigmoid_bias"}))
+    return {
+        "experts_shape": (dict(experts=experts[:, :-1]), r"experts: expected shape \[E=8, 18432\]"),
+        "experts_rows": (dict(experts=experts[:5]), r"experts: expected shape \[E=8"),
+        "experts_dtype": (dict(experts=experts.astype(np.float16)), "experts: weight_dtype fp32 is stored as float32, got float16"),
+        "router_shape": (dict(router=router[:, :5]), rf"router: expected shape \[{E}, {H}\], got \[{E}, 5\]"),
+        "router_inf": (dict(router=bad_router), r"router: not finite at index \(1, 2\)"),
+        "router_bits": (dict(router=router.view(np.uint16)), "router: expected a float array, got dtype uint16"),
+        "bias_shape": (dict(router_bias=np.zeros(3, np.float32)), r"router_bias: expected shape \[8\]"),
+        "sigmoid_without_bias": (sigmoid, r"router_bias: sigmoid_bias routing needs router_bias \[8\]"),
+        "top_k": (dict(config=colibri.LayerConfig(**{**vars(config), "top_k": 9})), r"config.top_k: expected an integer in \[1, num_experts=8\]"),
+        "kind": (dict(config=colibri.LayerConfig(**{**vars(config), "expert_kind": "gelu"})), "config.expert_kind: expected swiglu | linear, got 'gelu'"),
+        "routing": (dict(config=colibri.LayerConfig(**{**vars(config), "routing": "random"})), "config.routing: expected"),
+        "scaling": (dict(config=colibri.LayerConfig(**{**vars(config), "routed_scaling_factor": float("nan")})), "config.routed_scaling_factor"),
+        "device": (dict(device="tpu"), "device: expected 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        "threads": (dict(num_threads=-1), "num_threads: expected an integer >= 0"),
+    }
+
+
+def test_bad_construction(rng):
+    config, experts, router, _ = random_layer(rng)
+    for case, (override, message) in _bad_construction_cases(config, experts, router).items():
+        kwargs = {"config": config, "experts": experts, "router": router, **override}
+        with pytest.raises(colibri.ColibriError, match=message) as info:
+            colibri.MoELayer(**kwargs)
+        assert info.value.status == colibri.STATUS_INVALID_ARGUMENT, case
+
+
+@pytest.mark.skipif(colibri.cuda_device_count() > 0, reason="a GPU is present: CUDA layers are tested elsewhere")
+def test_cuda_layer_without_gpu_is_refused(rng):
+    config, experts, router, _ = random_layer(rng)
+    with pytest.raises(colibri.ColibriError) as info:
+        colibri.MoELayer(config, experts, router, device="cuda")
+    assert info.value.status in (colibri.STATUS_UNSUPPORTED, colibri.STATUS_CUDA)
+    assert "colibri_moe_context_init" in str(info.value)
+
+
+def test_bf16_output_round_trip(rng):
+    """A bf16 forward's colibri.Tensor output: .numpy() widens exactly, and it feeds a second forward."""
+    config, experts, router, _ = random_layer(rng, weight_dtype="bf16")
+    layer = colibri.MoELayer(config, experts, router)
+    stored, x64 = random_hidden(rng, 7, config.hidden_size, "bf16")
+    out = layer.forward(colibri.Tensor.from_numpy(stored, "bf16"))
+    assert out.dtype == "bf16" and out.shape == (7, config.hidden_size) and out.device == "cpu"
+    widened = out.numpy()
+    assert widened.dtype == np.float32
+    again = layer.forward(out)
+    bits = np.asarray(np.from_dlpack(colibri.Tensor(out, out.data_ptr, out.shape, "uint16")))
+    assert (bf16_to_float32(bits) == widened).all()
+    ids, _ = layer.route(widened)
+    ref, *_ = routed_reference(config, experts, bf16_to_float32(bits).astype(np.float64), router, None, ids)
+    assert_close(again.numpy(), ref, error_limit("bf16"))
