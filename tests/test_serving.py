@@ -1,0 +1,245 @@
+"""End-to-end serving: a real tritonserver (from the nvidia-pytriton wheel) serving colibri_moe on the
+CPU, reached over HTTP, gRPC and system shared memory, checked against the float64 reference."""
+import concurrent.futures
+import json
+import re
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from colibri import checkpoint, reference, serve
+from triton_server import REPO_ROOT, missing_reason, serving
+
+sys.path.insert(0, str(REPO_ROOT / "client"))
+import common  # noqa: E402  (the clients' reference check, shared)
+
+pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
+
+MODEL = common.MODEL
+TOKENS = 3
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "test.colibri.safetensors"
+    checkpoint.write_demo(path, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=7)
+    return path
+
+
+@pytest.fixture(scope="module")
+def layer(weights):
+    return common.Layer(weights)
+
+
+@pytest.fixture(scope="module")
+def server(weights, tmp_path_factory):
+    with serving(weights, tmp_path_factory.mktemp("logs")) as running:
+        yield running
+
+
+def grpc_infer(url, inputs):
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, array, datatype in inputs:
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return client.infer(MODEL, tensors).as_numpy("output")
+
+
+def http_infer(url, inputs):
+    client = httpclient.InferenceServerClient(url)
+    tensors = []
+    for name, array, datatype in inputs:
+        tensor = httpclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)  # binary: JSON cannot carry NaN or Inf
+        tensors.append(tensor)
+    return client.infer(MODEL, tensors).as_numpy("output")
+
+
+def good_request(layer, rng, tokens=TOKENS, explicit=True):
+    x = layer.hidden_states(tokens, rng, np.float32)
+    if not explicit:
+        return [("hidden_states", x, "FP32")], layer.expected(x)
+    ids, weights = layer.routing(tokens, rng)
+    return ([("hidden_states", x, "FP32"), ("topk_ids", ids, "INT32"), ("topk_weights", weights, "FP32")],
+            layer.expected(x, ids, weights))
+
+
+def assert_close(output, expected):
+    assert common.relative_error(output, expected) <= common.TOLERANCE["fp32"]
+
+
+def model_stats(server):
+    stats = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/stats"))["model_stats"][0]
+    return int(stats["execution_count"]), int(stats["inference_count"])
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client, url", [("grpc_client.py", "grpc_url"), ("http_client.py", "http_url"),
+                                         ("shm_client.py", "grpc_url")])
+def test_client_passes(server, weights, client, url, rng):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "client" / client), "--url", getattr(server, url), "--weights",
+         str(weights), "--tokens", str(int(rng.integers(1, 33))), "--seed", str(int(rng.integers(2**31)))],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "PASS" and sum(line.startswith("PASS ") for line in lines) == 2, result.stdout
+
+
+def test_concurrent_requests_are_batched_and_equal_single_requests(server, layer, rng):
+    requests = [good_request(layer, rng, int(rng.integers(1, 9)), explicit=bool(i % 2)) for i in range(24)]
+    alone = [grpc_infer(server.grpc_url, inputs) for inputs, _ in requests]
+    for output, (_, expected) in zip(alone, requests):
+        assert_close(output, expected)
+
+    executions_before, inferences_before = model_stats(server)
+    start = threading.Barrier(len(requests))
+
+    def send(inputs):
+        start.wait()
+        return grpc_infer(server.grpc_url, inputs)
+
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(send, [inputs for inputs, _ in requests]))
+    executions_after, inferences_after = model_stats(server)
+
+    for batched, single in zip(together, alone):
+        # Each token's output depends on that token alone; batching may only change the rounding.
+        assert common.relative_error(batched, single.astype(np.float64)) <= 1e-5
+    assert inferences_after - inferences_before == sum(inputs[0][1].shape[0] for inputs, _ in requests)
+    assert executions_after - executions_before < len(requests), "no two requests were batched together"
+
+
+def bad_requests(layer, rng):
+    """name -> (inputs, the input the error must name)."""
+    E, k, H, T = layer.config.num_experts, layer.config.top_k, layer.config.hidden_size, TOKENS
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids, weights = layer.routing(T, rng)
+
+    def with_routing(ids=ids, weights=weights, ids_type="INT32"):
+        return [("hidden_states", x, "FP32"), ("topk_ids", ids, ids_type), ("topk_weights", weights, "FP32")]
+
+    def replaced(array, row, col, value):
+        array = array.copy()
+        array[row, col] = value
+        return array
+
+    return {
+        "wrong hidden size": ([("hidden_states", rng.standard_normal((T, H + 1)).astype(np.float32), "FP32")],
+                              "hidden_states"),
+        "no tokens": ([("hidden_states", np.zeros((0, H), np.float32), "FP32")], "hidden_states"),
+        "hidden_states fp64": ([("hidden_states", x.astype(np.float64), "FP64")], "hidden_states"),
+        "expert id too large": (with_routing(ids=replaced(ids, 1, 0, E)), "topk_ids"),
+        "negative expert id": (with_routing(ids=replaced(ids, 2, 1, -1)), "topk_ids"),
+        "k mismatch": (with_routing(ids=np.argsort(rng.random((T, E)), axis=1)[:, :k + 1].astype(np.int32),
+                                    weights=np.full((T, k + 1), 0.5, np.float32)), "topk_ids"),
+        # Triton compares the inputs' batch sizes itself and names the first input.
+        "token count mismatch": (with_routing(ids=ids[:T - 1], weights=weights[:T - 1]), "hidden_states"),
+        "NaN weight": (with_routing(weights=replaced(weights, 0, 1, np.nan)), "topk_weights"),
+        "infinite weight": (with_routing(weights=replaced(weights, 1, 0, np.inf)), "topk_weights"),
+        "topk_weights missing": (with_routing()[:2], "topk_weights"),
+        "topk_ids missing": ([with_routing()[0], with_routing()[2]], "topk_ids"),
+        "topk_ids int64": (with_routing(ids=ids.astype(np.int64), ids_type="INT64"), "topk_ids"),
+    }
+
+
+BAD_REQUEST_NAMES = ["wrong hidden size", "no tokens", "hidden_states fp64", "expert id too large",
+                     "negative expert id", "k mismatch", "token count mismatch", "NaN weight", "infinite weight",
+                     "topk_weights missing", "topk_ids missing", "topk_ids int64"]
+PROTOCOLS = {"http": (http_infer, "http_url", "400"), "grpc": (grpc_infer, "grpc_url", "StatusCode.INVALID_ARGUMENT")}
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+@pytest.mark.parametrize("case", BAD_REQUEST_NAMES)
+def test_bad_input_is_refused_naming_it(server, layer, rng, case, protocol):
+    infer, url, status = PROTOCOLS[protocol]
+    inputs, named = bad_requests(layer, rng)[case]
+    with pytest.raises(InferenceServerException) as refused:
+        infer(getattr(server, url), inputs)
+    assert refused.value.status() == status, refused.value
+    assert named in refused.value.message(), refused.value
+    good_inputs, expected = good_request(layer, rng)
+    assert_close(infer(getattr(server, url), good_inputs), expected)
+
+
+def test_bad_request_batched_with_good_ones_fails_alone(server, layer, rng):
+    requests = [good_request(layer, rng) for _ in range(15)]
+    bad_inputs, _ = bad_requests(layer, rng)["expert id too large"]
+    sends = [inputs for inputs, _ in requests] + [bad_inputs]
+    executions_before, _ = model_stats(server)
+    start = threading.Barrier(len(sends))
+
+    def send(inputs):
+        start.wait()
+        try:
+            return grpc_infer(server.grpc_url, inputs)
+        except InferenceServerException as exc:
+            return exc
+
+    with concurrent.futures.ThreadPoolExecutor(len(sends)) as pool:
+        results = list(pool.map(send, sends))
+    executions_after, _ = model_stats(server)
+    for output, (_, expected) in zip(results, requests):
+        assert not isinstance(output, Exception), output
+        assert_close(output, expected)
+    refused = results[-1]
+    assert isinstance(refused, InferenceServerException)
+    assert refused.status() == "StatusCode.INVALID_ARGUMENT" and "topk_ids" in refused.message()
+    assert executions_after - executions_before < len(sends), "the requests were never batched together"
+
+
+def expert_metrics(server):
+    """colibri_expert_tokens_total per expert id, and colibri_forward_seconds' count."""
+    text = server.get(server.metrics_url)
+    tokens = {int(e): float(v) for e, v in re.findall(
+        r'^colibri_expert_tokens_total\{[^}]*expert="(\d+)"[^}]*\} (\S+)$', text, re.M)}
+    forwards = re.search(r"^colibri_forward_seconds_count\{[^}]*\} (\S+)$", text, re.M)
+    return tokens, float(forwards.group(1)) if forwards else 0.0
+
+
+def test_metrics_count_tokens_per_expert(server, layer, rng):
+    E = layer.config.num_experts
+    before, forwards_before = expert_metrics(server)
+    assert sorted(before) == list(range(E))
+    expected = np.zeros(E, np.int64)
+    explicit, _ = good_request(layer, rng, tokens=5)
+    grpc_infer(server.grpc_url, explicit)
+    expected += np.bincount(explicit[1][1].ravel(), minlength=E)
+    routed, _ = good_request(layer, rng, tokens=6, explicit=False)
+    grpc_infer(server.grpc_url, routed)
+    ids, _, _ = reference.route(layer.config, routed[0][1], layer.router, layer.router_bias)
+    expected += np.bincount(ids.ravel(), minlength=E)
+
+    after, forwards_after = expert_metrics(server)
+    assert [after[e] - before[e] for e in range(E)] == expected.tolist()
+    assert forwards_after - forwards_before == 2
+
+
+def test_launcher_rewrites_instance_kind_and_activation_dtype():
+    text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
+    rewritten = serve.configure_model(text, "gpu", "bf16")
+    assert re.findall(r"kind:\s*(KIND_\w+)", rewritten) == ["KIND_GPU"]
+    types = dict(re.findall(r'name:\s*"(\w+)"\s*data_type:\s*(TYPE_\w+)', rewritten))
+    assert types == {"hidden_states": "TYPE_BF16", "topk_ids": "TYPE_INT32", "topk_weights": "TYPE_FP32",
+                     "output": "TYPE_BF16"}
+
+
+def test_fp16_server_on_the_cpu(weights, tmp_path_factory):
+    with serving(weights, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", "fp16") as fp16:
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "client" / "grpc_client.py"), "--url", fp16.grpc_url,
+             "--weights", str(weights), "--dtype", "fp16"], capture_output=True, text=True, timeout=120)
+        config = json.loads(fp16.get(f"http://{fp16.http_url}/v2/models/{MODEL}/config"))
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
+    assert config["instance_group"][0]["kind"] == "KIND_CPU"
+    assert config["input"][0]["data_type"] == "TYPE_FP16"

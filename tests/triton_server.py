@@ -1,0 +1,99 @@
+"""A real tritonserver for the serving tests, started the way users start it (`python -m colibri
+serve`) on free ports, and always stopped."""
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 60
+
+
+def missing_reason():
+    """Why no tritonserver can be started here, or None. Only a missing server is a reason to skip."""
+    from colibri import serve
+    try:
+        serve.find_tritonserver()
+    except serve.ServeError as exc:
+        return str(exc)
+    return None
+
+
+def free_ports(count: int):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Server:
+    def __init__(self, http_port, grpc_port, metrics_port, log_path):
+        self.http_url = f"127.0.0.1:{http_port}"
+        self.grpc_url = f"127.0.0.1:{grpc_port}"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.log_path = log_path
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def get(self, url: str) -> str:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.read().decode()
+
+
+@contextlib.contextmanager
+def serving(weights: Path, log_dir: Path, *serve_args):
+    """Yields a ready Server serving `weights`; stops it on exit, whatever happened inside."""
+    http_port, grpc_port, metrics_port = free_ports(3)
+    server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
+    with open(server.log_path, "w") as log:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "colibri", "serve", "--weights", str(weights),
+             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
+             *serve_args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(launcher, server)
+            yield server
+        finally:
+            _stop(launcher)
+
+
+def _wait_ready(launcher, server):
+    deadline = time.monotonic() + START_TIMEOUT_S
+    ready = f"http://{server.http_url}/v2/models/colibri_moe/ready"
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            raise RuntimeError(f"colibri serve exited ({launcher.returncode}) before it was ready:\n"
+                               f"{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(ready, timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"tritonserver not ready after {START_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+def _stop(launcher):
+    """SIGTERM to the launcher, which forwards it to tritonserver and waits for it; then SIGKILL if
+    need be (the server is tied to the launcher's life, see colibri.serve)."""
+    if launcher.poll() is None:
+        launcher.send_signal(signal.SIGTERM)
+        try:
+            launcher.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.kill(launcher.pid, signal.SIGKILL)
+            launcher.wait()
