@@ -1,0 +1,248 @@
+"""The packer on small Hugging Face checkpoints written here in the three layouts (Mixtral naming,
+Qwen/DeepSeek naming, the fused gate_up_proj layout), sharded with an index or as a folder, each
+with its config.json; packed through the CLI and the function, loaded, and checked against a forward
+computed from the original HF tensors. Also the refusals (shared experts, missing tensors, pickles,
+non-MoE layers, group-limited routing, inconsistent dtypes)."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import colibri
+from colibri import reference
+from colibri import safetensors_io as st
+from colibri.dtypes import from_float, to_float64
+from colibri.pack import pack
+from colibri.testing import assert_close, error_limit, random_hidden
+
+ST_DTYPE = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
+
+
+def hf_weights(rng, E, H, F):
+    return dict(gate=rng.standard_normal((E, F, H)) / np.sqrt(H), up=rng.standard_normal((E, F, H)) / np.sqrt(H),
+                down=rng.standard_normal((E, H, F)) / np.sqrt(F), router=rng.standard_normal((E, H)) / np.sqrt(H),
+                bias=0.3 * rng.standard_normal(E))
+
+
+def hf_tensors(w, layout, dtype, layer=1, with_bias=False):
+    """The HF tensor names of a 3-layer model whose layer `layer` is the MoE layer (layer 0 dense)."""
+    def stored(a):
+        return ST_DTYPE[dtype], from_float(np.asarray(a, np.float32), dtype)
+    E, F, H = w["gate"].shape
+    tensors = {"model.embed_tokens.weight": stored(np.zeros((11, H))),
+               "model.layers.0.mlp.gate_proj.weight": stored(np.zeros((F, H))),
+               "model.layers.0.self_attn.q_proj.weight": stored(np.zeros((H, H)))}
+    block = "block_sparse_moe" if layout == "mixtral" else "mlp"
+    base = f"model.layers.{layer}.{block}."
+    tensors[base + "gate.weight"] = stored(w["router"])
+    if with_bias:
+        tensors[base + "gate.e_score_correction_bias"] = ("F32", w["bias"].astype(np.float32))
+    if layout == "fused":
+        tensors[base + "experts.gate_up_proj"] = stored(np.concatenate([w["gate"], w["up"]], axis=1))
+        tensors[base + "experts.down_proj"] = stored(w["down"])
+    else:
+        names = ("w1", "w3", "w2") if layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        for m in range(E):
+            for name, part in zip(names, ("gate", "up", "down")):
+                tensors[base + f"experts.{m}.{name}.weight"] = stored(w[part][m])
+    tensors[f"model.layers.{layer + 1}.self_attn.q_proj.weight"] = stored(np.zeros((H, H)))
+    return tensors
+
+
+def write_hf(folder: pathlib.Path, tensors, config, shards=2, index=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    weight_map = {}
+    for s in range(shards):
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        st.write(folder / shard, part, {"format": "pt"})
+        weight_map.update({n: shard for n in part})
+    if index:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def hf_forward(w, dtype, x64, ids, weights):
+    """The MoE layer computed straight from the HF tensors (as stored), independent of the packer."""
+    q = {k: to_float64(from_float(np.asarray(w[k], np.float32), dtype), dtype) for k in ("gate", "up", "down")}
+    out = np.zeros_like(x64)
+    for t in range(len(x64)):
+        for e, wt in zip(ids[t], weights[t]):
+            g = q["gate"][e] @ x64[t]
+            out[t] += wt * (q["down"][e] @ (g / (1 + np.exp(-g)) * (q["up"][e] @ x64[t])))
+    return out
+
+
+def check_packed(path, w, src_dtype, packed_dtype, expected, rng):
+    layer = colibri.MoELayer.from_file(path)
+    for field, value in expected.items():
+        assert getattr(layer.config, field) == value, field
+    stored, x64 = random_hidden(rng, 33, layer.config.hidden_size, "fp32")
+    router = to_float64(from_float(np.asarray(w["router"], np.float32), src_dtype), src_dtype)
+    bias = w["bias"].astype(np.float32) if layer.config.routing == "sigmoid_bias" else None
+    ids, weights, scores = reference.route(layer.config, x64, router, bias)
+    lib_ids, _ = layer.route(stored)
+    near = reference.topk_margin(scores, layer.config.top_k) <= 1e-5
+    assert (lib_ids[~near] == ids[~near]).all()
+    ids = np.where(near[:, None], lib_ids, ids)
+    weights = reference.routing_weights(layer.config, reference.router_logits(x64, router), ids)
+    assert_close(layer.forward(stored), hf_forward(w, src_dtype, x64, ids, weights),
+                 error_limit(src_dtype, packed_dtype), "packed layer vs the HF tensors")
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                          cwd="/", timeout=120)
+
+
+def test_mixtral_index_via_cli(rng, tmp_path):
+    w = hf_weights(rng, 8, 48, 40)
+    src = write_hf(tmp_path / "mixtral", hf_tensors(w, "mixtral", "bf16"),
+                   {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                    "hidden_size": 48, "intermediate_size": 40}, shards=3)
+    out = tmp_path / "mixtral.colibri.safetensors"
+    result = run_cli("pack", src / "model.safetensors.index.json", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "packing layer 1 experts" in result.stderr and "8/8" in result.stderr
+    check_packed(out, w, "bf16", "bf16", dict(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
+                                              weight_dtype="bf16", routing="softmax_topk", renormalize=True), rng)
+    info = run_cli("info", out)
+    assert info.returncode == 0 and "source_layout" in info.stdout and "mixtral" in info.stdout
+
+
+@pytest.mark.parametrize("dtype", ["keep", "fp32"])
+def test_qwen_folder_via_function(rng, tmp_path, dtype):
+    w = hf_weights(rng, 6, 32, 24)
+    src = write_hf(tmp_path / "qwen", hf_tensors(w, "qwen", "fp16"),
+                   {"model_type": "qwen2_moe", "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                    "hidden_size": 32, "intermediate_size": 5632, "moe_intermediate_size": 24}, index=False)
+    out = tmp_path / "qwen.colibri.safetensors"
+    config = pack(src, out, dtype=dtype, progress=False)
+    packed = "fp16" if dtype == "keep" else dtype
+    assert config.weight_dtype == packed
+    check_packed(out, w, "fp16", packed, dict(num_experts=6, top_k=3, routing="softmax_topk", renormalize=False), rng)
+
+
+def test_deepseek_sigmoid_bias(rng, tmp_path):
+    w = hf_weights(rng, 8, 32, 16)
+    src = write_hf(tmp_path / "ds", hf_tensors(w, "qwen", "bf16", layer=1, with_bias=True),
+                   {"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 4, "norm_topk_prob": True,
+                    "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
+                    "hidden_size": 32, "moe_intermediate_size": 16})
+    out = tmp_path / "ds.colibri.safetensors"
+    pack(src, out, progress=False)
+    check_packed(out, w, "bf16", "bf16", dict(routing="sigmoid_bias", renormalize=True, routed_scaling_factor=2.5,
+                                              top_k=4), rng)
+    assert (colibri.checkpoint.load(out).router_bias == w["bias"].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", ["keep", "bf16"])
+def test_fused_layout_single_file(rng, tmp_path, dtype):
+    w = hf_weights(rng, 4, 40, 24)
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    st.write(folder / "model.safetensors", hf_tensors(w, "fused", "fp32"))
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                                                    "norm_topk_prob": True, "hidden_size": 40,
+                                                    "moe_intermediate_size": 24}))
+    out = tmp_path / "fused.colibri.safetensors"
+    result = run_cli("pack", folder / "model.safetensors", "--out", out, "--dtype", dtype, "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    packed = "fp32" if dtype == "keep" else dtype
+    check_packed(out, w, "fp32", packed, dict(num_experts=4, routing="softmax_topk", renormalize=True,
+                                              weight_dtype=packed), rng)
+
+
+def test_overrides_and_layer_choice(rng, tmp_path):
+    w = hf_weights(rng, 4, 16, 8)
+    tensors = {**hf_tensors(w, "qwen", "fp32", layer=1), **hf_tensors(w, "qwen", "fp32", layer=3)}
+    src = write_hf(tmp_path / "m", tensors, {"num_experts": 4, "num_experts_per_tok": 2})
+    config = pack(src, tmp_path / "a.colibri.safetensors", layer=3, top_k=3, routing="topk_softmax",
+                  renormalize=True, routed_scaling_factor=0.5, progress=False)
+    assert (config.top_k, config.routing, config.renormalize, config.routed_scaling_factor) == (3, "topk_softmax", True, 0.5)
+    assert colibri.checkpoint.load(tmp_path / "a.colibri.safetensors").metadata["source_layer"] == "model.layers.3.mlp"
+    with pytest.raises(colibri.ColibriError, match="layer 0 is not an MoE layer; MoE layers: 1, 3"):
+        pack(src, tmp_path / "b.colibri.safetensors", layer=0, progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Refusals
+
+
+def small_qwen(rng, tmp_path, mutate=None, config=None, dtype="fp32"):
+    w = hf_weights(rng, 4, 16, 8)
+    tensors = hf_tensors(w, "qwen", dtype)
+    if mutate:
+        mutate(tensors)
+    return write_hf(tmp_path / "src", tensors, config or {"num_experts": 4, "num_experts_per_tok": 2})
+
+
+@pytest.mark.parametrize("shared", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                                    "mlp.shared_expert_gate.weight"])
+def test_shared_experts_refused(rng, tmp_path, shared):
+    src = small_qwen(rng, tmp_path, lambda t: t.update({f"model.layers.1.{shared}": ("F32", np.zeros((8, 16), np.float32))}))
+    result = run_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
+    assert result.returncode == 1
+    assert "shared experts are not supported yet" in result.stderr and shared in result.stderr
+    assert not (tmp_path / "x.colibri.safetensors").exists()
+
+
+def test_missing_expert_tensor_named(rng, tmp_path):
+    src = small_qwen(rng, tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(colibri.ColibriError, match=r"missing expert tensors: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_wrong_shape_named(rng, tmp_path):
+    def bad(t):
+        t["model.layers.1.mlp.experts.2.down_proj.weight"] = ("F32", np.zeros((8, 16), np.float32))
+    src = small_qwen(rng, tmp_path, bad)
+    with pytest.raises(colibri.ColibriError, match=r"experts\.2\.down_proj\.weight: shape \[8, 16\], expected \[16, 8\]"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_inconsistent_dtype_refused(rng, tmp_path):
+    def bad(t):
+        t["model.layers.1.mlp.experts.1.gate_proj.weight"] = ("F16", np.zeros((8, 16), np.float16))
+    src = small_qwen(rng, tmp_path, bad)
+    with pytest.raises(colibri.ColibriError, match="expert weights: inconsistent dtypes F16, F32"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_group_limited_routing_refused(rng, tmp_path):
+    src = small_qwen(rng, tmp_path, config={"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1})
+    with pytest.raises(colibri.ColibriError, match="group-limited routing"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_config_mismatch_and_missing_top_k(rng, tmp_path):
+    src = small_qwen(rng, tmp_path, config={"num_experts": 5, "num_experts_per_tok": 2})
+    with pytest.raises(colibri.ColibriError, match="config.json num_experts=5 but the tensors give experts 4"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+    os.remove(src / "config.json")
+    with pytest.raises(colibri.ColibriError, match="top_k unknown"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+    assert pack(src, tmp_path / "x.colibri.safetensors", top_k=2, progress=False).top_k == 2
+
+
+def test_pickles_refused(tmp_path):
+    folder = tmp_path / "pt"
+    folder.mkdir()
+    (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a zip")
+    (folder / "config.json").write_text("{}")
+    for src in (folder, folder / "pytorch_model.bin"):
+        result = run_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
+        assert result.returncode == 1 and "never loads" in result.stderr and "pickle" in result.stderr
+
+
+def test_no_moe_layer(tmp_path):
+    st.write(tmp_path / "dense.safetensors", {"model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(colibri.ColibriError, match="no MoE layer found"):
+        pack(tmp_path / "dense.safetensors", tmp_path / "x.colibri.safetensors", progress=False)
