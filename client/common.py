@@ -19,13 +19,16 @@ if (REPO_ROOT / "backend_src" / "colibri").is_dir():  # run from a checkout: its
     sys.path.insert(0, str(REPO_ROOT / "backend_src"))
 
 from colibri import checkpoint, reference  # noqa: E402  (path set above)
+from colibri.dtypes import bf16_to_float32, float32_to_bf16  # noqa: E402
 
 MODEL = "colibri_moe"
 DEFAULT_WEIGHTS = REPO_ROOT / "model_repository" / MODEL / "1" / "weights.colibri.safetensors"
-WIRE_DTYPES = {"fp32": ("FP32", np.float32), "fp16": ("FP16", np.float16)}
+# Activation dtype -> (Triton datatype, numpy dtype the values are held in). tritonclient takes and
+# gives BF16 as float32 values; bytes in shared memory are bf16 bits (see raw_bytes / from_raw).
+WIRE_DTYPES = {"fp32": ("FP32", np.float32), "fp16": ("FP16", np.float16), "bf16": ("BF16", np.float32)}
 # Largest accepted max |output - reference| / max |reference|: rounding of the activations' dtype
 # (the reference is computed from exactly the values sent, with the stored weights).
-TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3}
+TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}
 # Rows whose k-th and (k+1)-th routing scores are closer than this are redrawn: either expert would
 # be a right answer there, and the check could not tell which one the server picked.
 MIN_TOPK_MARGIN = 1e-4
@@ -52,9 +55,14 @@ class Layer:
         self.router = None if ckpt.router is None else np.asarray(ckpt.router)
         self.router_bias = None if ckpt.router_bias is None else np.asarray(ckpt.router_bias)
 
-    def hidden_states(self, tokens: int, rng, wire) -> np.ndarray:
-        """Random hidden states in the wire dtype whose routing (if the layer routes) is unambiguous."""
-        x = rng.standard_normal((tokens, self.config.hidden_size)).astype(wire)
+    def hidden_states(self, tokens: int, rng, dtype: str) -> np.ndarray:
+        """Random hidden states, exactly representable in dtype, whose routing (if the layer routes)
+        is unambiguous."""
+        def draw(rows):
+            x = rng.standard_normal((rows, self.config.hidden_size)).astype(WIRE_DTYPES[dtype][1])
+            return bf16_to_float32(float32_to_bf16(x)) if dtype == "bf16" else x
+
+        x = draw(tokens)
         if self.router is None:
             return x
         while True:
@@ -62,7 +70,7 @@ class Layer:
             close = reference.topk_margin(scores, self.config.top_k) < MIN_TOPK_MARGIN
             if not close.any():
                 return x
-            x[close] = rng.standard_normal((int(close.sum()), self.config.hidden_size)).astype(wire)
+            x[close] = draw(int(close.sum()))
 
     def routing(self, tokens: int, rng):
         """Explicit routing: k distinct experts per token and positive weights."""
@@ -78,18 +86,27 @@ class Layer:
 
 def requests(layer: Layer, tokens: int, dtype: str, seed: int):
     """(case name, inputs, expected output) for each case the clients check."""
-    datatype, wire = WIRE_DTYPES[dtype]
+    datatype = WIRE_DTYPES[dtype][0]
     rng = np.random.default_rng(seed)
     cases = []
     if layer.router is not None:
-        x = layer.hidden_states(tokens, rng, wire)
+        x = layer.hidden_states(tokens, rng, dtype)
         cases.append(("router routing", [("hidden_states", x, datatype)], layer.expected(x)))
-    x = layer.hidden_states(tokens, rng, wire)
+    x = layer.hidden_states(tokens, rng, dtype)
     ids, weights = layer.routing(tokens, rng)
     cases.append(("explicit routing",
                   [("hidden_states", x, datatype), ("topk_ids", ids, "INT32"), ("topk_weights", weights, "FP32")],
                   layer.expected(x, ids, weights)))
     return cases
+
+
+def raw_bytes(array, datatype) -> np.ndarray:
+    """The array as the server holds it in memory (BF16: bits)."""
+    return float32_to_bf16(array) if datatype == "BF16" else array
+
+
+def from_raw(array, datatype) -> np.ndarray:
+    return bf16_to_float32(array) if datatype == "BF16" else array
 
 
 def relative_error(output, expected) -> float:
@@ -133,7 +150,8 @@ class SharedMemoryInfer:
     """infer() through shared-memory regions registered with the server over gRPC: each input is
     written into a region of its own, the output lands in another, and all are unregistered and
     freed after the request. Subclasses say how a region is handled: create(name, nbytes) -> handle,
-    write(handle, array), register(name, handle, nbytes), read(handle, datatype, wire, shape) -> numpy,
+    write(handle, array), register(name, handle, nbytes), read(handle, datatype, storage numpy dtype,
+    shape) -> numpy of the bytes (bf16 bits as uint16, which from_raw widens),
     unregister(name), destroy(handle)."""
 
     def __init__(self, client, layer_out_features: int, dtype: str, prefix: str):
@@ -145,7 +163,8 @@ class SharedMemoryInfer:
         regions = []  # (name, handle)
         try:
             tensors = []
-            for name, array, datatype in inputs:
+            for name, values, datatype in inputs:
+                array = raw_bytes(values, datatype)
                 handle = self.create(f"{self.prefix}_{name}", array.nbytes)
                 regions.append((f"{self.prefix}_{name}", handle))
                 self.write(handle, array)
@@ -154,14 +173,15 @@ class SharedMemoryInfer:
                 tensor.set_shared_memory(f"{self.prefix}_{name}", array.nbytes)
                 tensors.append(tensor)
             shape = (inputs[0][1].shape[0], self.out_features)
-            nbytes = int(np.prod(shape)) * np.dtype(self.wire).itemsize
+            storage = raw_bytes(np.zeros(0, self.wire), self.datatype).dtype
+            nbytes = int(np.prod(shape)) * storage.itemsize
             handle = self.create(f"{self.prefix}_output", nbytes)
             regions.append((f"{self.prefix}_output", handle))
             self.register(f"{self.prefix}_output", handle, nbytes)
             requested = grpcclient.InferRequestedOutput("output")
             requested.set_shared_memory(f"{self.prefix}_output", nbytes)
             self.client.infer(MODEL, tensors, outputs=[requested])
-            return self.read(handle, self.datatype, self.wire, shape)
+            return from_raw(self.read(handle, self.datatype, storage, shape), self.datatype)
         finally:
             for name, handle in reversed(regions):
                 self.unregister(name)

@@ -13,14 +13,15 @@ from common import SharedMemoryInfer, main
 
 
 def device_library():
-    """(to_device(numpy) -> GPU array, to_host(DLPack GPU array) -> numpy) from torch, else cupy."""
+    """(to_device(numpy) -> GPU array, to_host(DLPack GPU array, storage) -> numpy of its bytes) from
+    torch, else cupy (which has no bfloat16)."""
     try:
         import torch
         return (lambda a: torch.from_numpy(a).cuda(),
-                lambda t: torch.from_dlpack(t).cpu().numpy())
+                lambda t, storage: torch.from_dlpack(t).cpu().view(torch.uint8).numpy().view(storage))
     except ImportError:
         import cupy
-        return cupy.asarray, lambda t: cupy.asnumpy(cupy.from_dlpack(t))
+        return cupy.asarray, lambda t, storage: cupy.asnumpy(cupy.from_dlpack(t)).view(storage)
 
 
 class CudaSharedMemoryInfer(SharedMemoryInfer):
@@ -38,8 +39,8 @@ class CudaSharedMemoryInfer(SharedMemoryInfer):
     def register(self, name, handle, nbytes):
         self.client.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), self.device_id, nbytes)
 
-    def read(self, handle, datatype, wire, shape):
-        return self.to_host(cudashm.as_shared_memory_tensor(handle, datatype, list(shape)))
+    def read(self, handle, datatype, storage, shape):
+        return self.to_host(cudashm.as_shared_memory_tensor(handle, datatype, list(shape)), storage)
 
     def unregister(self, name):
         self.client.unregister_cuda_shared_memory(name)

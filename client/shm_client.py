@@ -21,8 +21,8 @@ class SystemSharedMemoryInfer(SharedMemoryInfer):
     def register(self, name, handle, nbytes):
         self.client.register_system_shared_memory(name, f"/{handle.name}", nbytes)
 
-    def read(self, handle, datatype, wire, shape):
-        return np.ndarray(shape, wire, buffer=handle.buf).copy()  # the region is freed next
+    def read(self, handle, datatype, storage, shape):
+        return np.ndarray(shape, storage, buffer=handle.buf).copy()  # the region is freed next
 
     def unregister(self, name):
         self.client.unregister_system_shared_memory(name)

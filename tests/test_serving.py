@@ -64,7 +64,7 @@ def http_infer(url, inputs):
 
 
 def good_request(layer, rng, tokens=TOKENS, explicit=True):
-    x = layer.hidden_states(tokens, rng, np.float32)
+    x = layer.hidden_states(tokens, rng, "fp32")
     if not explicit:
         return [("hidden_states", x, "FP32")], layer.expected(x)
     ids, weights = layer.routing(tokens, rng)
@@ -234,12 +234,15 @@ def test_launcher_rewrites_instance_kind_and_activation_dtype():
                      "output": "TYPE_BF16"}
 
 
-def test_fp16_server_on_the_cpu(weights, tmp_path_factory):
-    with serving(weights, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", "fp16") as fp16:
-        result = subprocess.run(
-            [sys.executable, str(REPO_ROOT / "client" / "grpc_client.py"), "--url", fp16.grpc_url,
-             "--weights", str(weights), "--dtype", "fp16"], capture_output=True, text=True, timeout=120)
-        config = json.loads(fp16.get(f"http://{fp16.http_url}/v2/models/{MODEL}/config"))
-    assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_server_on_the_cpu(weights, tmp_path_factory, dtype):
+    with serving(weights, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", dtype) as half:
+        results = [subprocess.run(
+            [sys.executable, str(REPO_ROOT / "client" / client), "--url", half.grpc_url, "--weights", str(weights),
+             "--dtype", dtype, "--tokens", "9"], capture_output=True, text=True, timeout=120)
+            for client in ("grpc_client.py", "shm_client.py")]
+        config = json.loads(half.get(f"http://{half.http_url}/v2/models/{MODEL}/config"))
+    for result in results:
+        assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
-    assert config["input"][0]["data_type"] == "TYPE_FP16"
+    assert config["input"][0]["data_type"] == f"TYPE_{dtype.upper()}"
