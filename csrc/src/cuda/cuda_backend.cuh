@@ -1,0 +1,138 @@
+/*
+ * cuda_backend.cuh — what the CUDA backend's files share: the backend state hung off the context,
+ * the CUDA error check, dtype tags and conversions, vector loads, and the launchers each op family
+ * exports to the orchestration in context.cu. Private to csrc/src/cuda/.
+ *
+ * Data flow of one forward chunk of T tokens (all on the caller's stream):
+ *   route.cu    logits [T, E] fp32 -> topk ids / weights [T, k]           (unless the caller gave them)
+ *   permute.cu  ids -> expert offsets, perm (sorted position -> assignment t*k+j), inv (its inverse),
+ *               a tile table of (expert, first position, end position)
+ *   experts.cu  up projection (SWIGLU: silu(gate x) * up x) -> inter [T*k, F]; down -> y [T*k, H]
+ *   combine.cu  out[t] = sum_j w[t, j] * y[inv[t*k+j]] in j order (deterministic, no float atomics)
+ */
+#ifndef COLIBRI_CUDA_BACKEND_CUH
+#define COLIBRI_CUDA_BACKEND_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "internal.h"
+
+#define COLIBRI_CUDA_CHECK(call)                                                                        \
+    do {                                                                                               \
+        cudaError_t colibri_err_ = (call);                                                             \
+        if (colibri_err_ != cudaSuccess)                                                               \
+            return colibri_set_error(COLIBRI_ERR_CUDA, "%s failed: %s (%s:%d)", #call,                   \
+                                     cudaGetErrorString(colibri_err_), __FILE__, __LINE__);            \
+    } while (0)
+
+/* A tile of sorted positions [begin, end) that all belong to one expert. */
+struct ExpertTile {
+    int32_t expert, begin, end, pad;
+};
+
+struct CudaBackend {
+    int device;
+    size_t expert_stride;       /* bytes between experts in d_weights (a multiple of 256) */
+    char *d_weights;            /* [E, expert_stride] bytes: gate [F,H], up [F,H], down [H,F] (or w [F,H]) */
+    char *d_workspace;          /* one allocation; the pointers below point into it */
+    float *router;              /* [E, H] fp32, or NULL */
+    float *router_bias;         /* [E] fp32, or NULL */
+    float *logits;              /* [Tw, E] fp32 */
+    int32_t *ids;               /* [Tw, k] routing computed here */
+    float *wts;                 /* [Tw, k] */
+    int32_t *offsets;           /* [E + 1] */
+    int32_t *perm;              /* [Tw * k] sorted position -> assignment index */
+    int32_t *inv;               /* [Tw * k] assignment index -> sorted position, -1 if its id was invalid */
+    ExpertTile *tiles;          /* [Tw * k + E] */
+    int32_t *num_tiles;         /* [1] */
+    unsigned long long *totals; /* [E] assignments per expert since init / reset */
+    int32_t *bad_id;            /* [1] set when an id out of range was met */
+    /* Experts compute in the weight dtype ("compute dtype"): tensor cores take 16-bit operands of one type. */
+    void *xc;                   /* [Tw, H] input converted to the weight dtype (tensor-core path) */
+    void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
+    void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
+    int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
+    size_t permute_smem;
+};
+
+template <class T> struct DtypeTag { using type = T; };
+
+/* Calls f(DtypeTag<T>{}) with T the C++ type of dtype d. */
+template <class F> static inline void colibri_dispatch_dtype(colibri_dtype_t d, F &&f) {
+    switch (d) {
+    case COLIBRI_DTYPE_F32: f(DtypeTag<float>{}); break;
+    case COLIBRI_DTYPE_F16: f(DtypeTag<__half>{}); break;
+    case COLIBRI_DTYPE_BF16: f(DtypeTag<__nv_bfloat16>{}); break;
+    }
+}
+
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <class T> __device__ __forceinline__ T from_f32(float v);
+template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <class T, int N> struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
+    T v[N];
+};
+
+/* N elements from p, which is aligned to min(16, N * sizeof(T)) bytes, widened to fp32. */
+template <class T, int N> __device__ __forceinline__ void load_f32(const T *p, float (&out)[N]) {
+    const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
+#pragma unroll
+    for (int i = 0; i < N; i++) out[i] = to_f32(pk.v[i]);
+}
+
+template <class T, int N> __device__ __forceinline__ void store_from_f32(T *p, const float (&in)[N]) {
+    Pack<T, N> pk;
+#pragma unroll
+    for (int i = 0; i < N; i++) pk.v[i] = from_f32<T>(in[i]);
+    *reinterpret_cast<Pack<T, N> *>(p) = pk;
+}
+
+/* Weights are read once per forward: keep them out of L1 so the activations that are re-read stay. */
+template <class T, int N> __device__ __forceinline__ Pack<T, N> load_stream(const T *p) {
+    if constexpr (sizeof(Pack<T, N>) == 16) {
+        uint4 u;
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
+                     : "l"(p));
+        return *reinterpret_cast<Pack<T, N> *>(&u);
+    } else {
+        return *reinterpret_cast<const Pack<T, N> *>(p);
+    }
+}
+
+__device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }
+
+static inline bool colibri_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* route.cu */
+colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                           colibri_dtype_t act_dtype, const void *input, int32_t *topk_ids,
+                                           float *topk_weights, cudaStream_t stream);
+/* permute.cu */
+colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts);
+colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                             const int32_t *topk_ids, int32_t tile_m, cudaStream_t stream);
+colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
+                                             colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream);
+/* experts.cu */
+colibri_status_t colibri_cuda_experts_setup(void);
+int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                    const void *input);
+colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                             colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
+                                             cudaStream_t stream);
+/* combine.cu */
+colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                             colibri_dtype_t act_dtype, const float *topk_weights, void *output,
+                                             cudaStream_t stream);
+
+#endif /* COLIBRI_CUDA_BACKEND_CUH */

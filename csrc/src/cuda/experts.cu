@@ -1,0 +1,340 @@
+/*
+ * experts.cu — the expert FFNs over tokens grouped by expert (permute.cu's tile table).
+ *
+ * Two paths, chosen per forward from the mean number of assignments per expert:
+ *  - few tokens per expert (decode) or fp32 weights: gemv.cuh, which streams each touched expert's
+ *    weights once, SWIGLU's gate and up rows in the same pass;
+ *  - many tokens per expert (prefill), 16-bit weights: a tensor-core GEMM, mma.sync m16n8k16 (sm_80
+ *    and sm_90), BM x 128 x 32 tiles, 4-stage cp.async pipeline into XOR-swizzled shared memory,
+ *    ldmatrix fragments. Token rows are gathered through perm in the loads (no gathered copy of x);
+ *    for SWIGLU one block computes the gate and the up tile of the same columns and writes
+ *    silu(g) * u in the epilogue. BM follows the tokens per expert so that a tile's weights are read
+ *    once per expert at moderate T.
+ * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order.
+ */
+#include <type_traits>
+
+#include "gemv.cuh"
+
+#define MMA_BN 128
+#define MMA_BK 32
+#define MMA_STAGES 4
+#define MMA_THREADS 256
+#define MMA_ROW_BYTES (MMA_BK * 2) /* one smem row: 32 16-bit elements = four 16-byte chunks */
+
+struct MmaArgs {
+    const char *w;            /* first matrix of expert 0: [N, K] */
+    size_t w_expert_stride;
+    size_t w_second;          /* GLU: bytes from the gate matrix to the up matrix */
+    int32_t n, k;
+    const void *x;            /* rows of K elements, the weight dtype */
+    const int32_t *row_map;   /* position p reads x row row_map[p] / row_div; NULL: row p */
+    int32_t row_div;
+    void *out;                /* [positions, N], the weight dtype */
+    const ExpertTile *tiles;
+    const int32_t *num_tiles;
+};
+
+/* Chunk c (16 bytes) of row r lives at chunk c ^ ((r >> 1) & 3): the 8 rows one ldmatrix phase reads
+ * then hit 8 different 16-byte bank groups although a row is only 64 bytes. */
+__device__ __forceinline__ uint32_t swz(int r, int c) { return (uint32_t)(r * MMA_ROW_BYTES + ((c ^ ((r >> 1) & 3)) << 4)); }
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+template <class T> __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                            uint32_t b1);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4],
+                                                                    uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                             uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    T v[2] = {from_f32<T>(lo), from_f32<T>(hi)};
+    return *reinterpret_cast<uint32_t *>(v);
+}
+
+template <int BM> constexpr int mma_warps_m() { return BM >= 32 ? 2 : 1; }
+template <int BM, bool GLU> constexpr size_t mma_smem_bytes() {
+    return (size_t)MMA_STAGES * (BM + MMA_BN * (GLU ? 2 : 1)) * MMA_ROW_BYTES;
+}
+
+template <class T, int BM, bool GLU>
+__global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
+    constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = 8 / WARPS_M;
+    constexpr int WTM = BM / WARPS_M, WTN = MMA_BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
+    constexpr int NMAT = GLU ? 2 : 1;
+    constexpr int A_CHUNKS = BM * 4, B_CHUNKS = MMA_BN * 4;
+    constexpr int A_PER_T = (A_CHUNKS + MMA_THREADS - 1) / MMA_THREADS, B_PER_T = B_CHUNKS / MMA_THREADS;
+    constexpr uint32_t A_BYTES = BM * MMA_ROW_BYTES, B_BYTES = MMA_BN * MMA_ROW_BYTES;
+    constexpr uint32_t STAGE_BYTES = A_BYTES + NMAT * B_BYTES;
+
+    if ((int)blockIdx.x >= *a.num_tiles) return;
+    const ExpertTile tile = a.tiles[blockIdx.x];
+    const int n0 = blockIdx.y * MMA_BN;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+
+    extern __shared__ __align__(128) char smem[];
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+
+    /* the rows this thread copies stay the same for every k tile */
+    const T *a_src[A_PER_T];
+    bool a_ok[A_PER_T];
+#pragma unroll
+    for (int i = 0; i < A_PER_T; i++) {
+        const int idx = tid + i * MMA_THREADS, r = idx >> 2, p = tile.begin + r;
+        a_ok[i] = idx < A_CHUNKS && p < tile.end;
+        const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
+        a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + (idx & 3) * 8;
+    }
+    const T *b_src[NMAT][B_PER_T];
+    bool b_ok[B_PER_T];
+    const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
+#pragma unroll
+    for (int i = 0; i < B_PER_T; i++) {
+        const int idx = tid + i * MMA_THREADS, n = n0 + (idx >> 2);
+        b_ok[i] = n < a.n;
+#pragma unroll
+        for (int m = 0; m < NMAT; m++)
+            b_src[m][i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k +
+                          (idx & 3) * 8;
+    }
+
+    const int ktiles = (a.k + MMA_BK - 1) / MMA_BK;
+    auto load_stage = [&](int kt) {
+        const uint32_t st = sbase + (uint32_t)(kt % MMA_STAGES) * STAGE_BYTES;
+        const int k0 = kt * MMA_BK;
+#pragma unroll
+        for (int i = 0; i < A_PER_T; i++) {
+            const int idx = tid + i * MMA_THREADS;
+            if (idx < A_CHUNKS) {
+                const bool ok = a_ok[i] && k0 + (idx & 3) * 8 < a.k;
+                cp_async16(st + swz(idx >> 2, idx & 3), ok ? (const void *)(a_src[i] + k0) : a.x, ok);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NMAT; m++) {
+#pragma unroll
+            for (int i = 0; i < B_PER_T; i++) {
+                const int idx = tid + i * MMA_THREADS;
+                const bool ok = b_ok[i] && k0 + (idx & 3) * 8 < a.k;
+                cp_async16(st + A_BYTES + m * B_BYTES + swz(idx >> 2, idx & 3),
+                           ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
+            }
+        }
+    };
+
+    float acc[NMAT][MI][NI][4];
+#pragma unroll
+    for (int m = 0; m < NMAT; m++)
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < NI; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[m][i][j][q] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < MMA_STAGES - 1; s++) {
+        if (s < ktiles) load_stage(s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < ktiles; kt++) {
+        cp_async_wait<MMA_STAGES - 2>();
+        __syncthreads();
+        if (kt + MMA_STAGES - 1 < ktiles) load_stage(kt + MMA_STAGES - 1);
+        cp_async_commit();
+        const uint32_t st = sbase + (uint32_t)(kt % MMA_STAGES) * STAGE_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < 2; ks++) {
+            uint32_t af[MI][4];
+#pragma unroll
+            for (int i = 0; i < MI; i++) {
+                const int r = wm * WTM + i * 16 + (lane & 15);
+                ldmatrix_x4(st + swz(r, ks * 2 + (lane >> 4)), af[i]);
+            }
+#pragma unroll
+            for (int m = 0; m < NMAT; m++) {
+#pragma unroll
+                for (int jp = 0; jp < NI / 2; jp++) {
+                    uint32_t bf[4];
+                    const int r = wn * WTN + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
+                    ldmatrix_x4(st + A_BYTES + m * B_BYTES + swz(r, ks * 2 + ((lane >> 3) & 1)), bf);
+#pragma unroll
+                    for (int i = 0; i < MI; i++) {
+                        mma16816<T>(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
+                        mma16816<T>(acc[m][i][2 * jp + 1], af[i], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    T *out = reinterpret_cast<T *>(a.out);
+#pragma unroll
+    for (int i = 0; i < MI; i++) {
+#pragma unroll
+        for (int j = 0; j < NI; j++) {
+            const int col = n0 + wn * WTN + j * 8 + (lane & 3) * 2;
+            if (col >= a.n) continue;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int p = tile.begin + wm * WTM + i * 16 + (lane >> 2) + h * 8;
+                if (p >= tile.end) continue;
+                float v0 = acc[0][i][j][2 * h], v1 = acc[0][i][j][2 * h + 1];
+                if (GLU) {
+                    v0 = silu_f32(v0) * acc[NMAT - 1][i][j][2 * h];
+                    v1 = silu_f32(v1) * acc[NMAT - 1][i][j][2 * h + 1];
+                }
+                *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
+            }
+        }
+    }
+}
+
+template <class T, int BM, bool GLU> static cudaError_t mma_setup_one() {
+    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)mma_smem_bytes<BM, GLU>());
+}
+
+template <class T, bool GLU> static cudaError_t mma_setup_all() {
+    cudaError_t e;
+    if ((e = mma_setup_one<T, 16, GLU>()) != cudaSuccess) return e;
+    if ((e = mma_setup_one<T, 32, GLU>()) != cudaSuccess) return e;
+    if ((e = mma_setup_one<T, 64, GLU>()) != cudaSuccess) return e;
+    return mma_setup_one<T, 128, GLU>();
+}
+
+template <class T, bool GLU>
+static cudaError_t mma_launch(const MmaArgs &a, int tile_m, int64_t slots, cudaStream_t stream) {
+    const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
+    switch (tile_m) {
+    case 16: mma_kernel<T, 16, GLU><<<grid, MMA_THREADS, mma_smem_bytes<16, GLU>(), stream>>>(a); break;
+    case 32: mma_kernel<T, 32, GLU><<<grid, MMA_THREADS, mma_smem_bytes<32, GLU>(), stream>>>(a); break;
+    case 64: mma_kernel<T, 64, GLU><<<grid, MMA_THREADS, mma_smem_bytes<64, GLU>(), stream>>>(a); break;
+    default: mma_kernel<T, 128, GLU><<<grid, MMA_THREADS, mma_smem_bytes<128, GLU>(), stream>>>(a); break;
+    }
+    return cudaGetLastError();
+}
+
+colibri_status_t colibri_cuda_experts_setup(void) {
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>()));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>()));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>()));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>()));
+    return COLIBRI_OK;
+}
+
+/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height. Tiles are sized ~1.5x the
+ * mean assignments per expert so that most experts fit in one tile (weights read once). */
+int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                    const void *input) {
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && c->hidden_size % 8 == 0 &&
+                              c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
+    const int64_t assignments = num_tokens * c->top_k;
+    if (!tensor_cores || assignments <= 4 * (int64_t)c->num_experts) return GEMV_GROUP;
+    const int64_t want = (assignments * 3 / 2 + c->num_experts - 1) / c->num_experts;
+    return want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
+}
+
+/* One projection over the tile table: x rows -> out [positions, n], weights at byte offset `first`
+ * (and `first + second` for the up matrix of a GLU) inside each expert. */
+template <class TW, class TX, bool GLU>
+static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments, int32_t tile_m, size_t first,
+                           size_t second, int32_t n, int32_t k, const void *x, const int32_t *row_map, void *out,
+                           bool x_aligned, cudaStream_t stream) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
+    const int64_t slots = assignments / tile_m + active;
+    if (tile_m == GEMV_GROUP) {
+        GemvArgs a = {};
+        a.w = b->d_weights + first;
+        a.w_expert_stride = b->expert_stride;
+        a.w_second = second;
+        a.n = n;
+        a.k = k;
+        a.x = x;
+        a.row_map = row_map;
+        a.row_div = ctx->cfg.top_k;
+        a.out = out;
+        a.tiles = b->tiles;
+        a.num_tiles = b->num_tiles;
+        return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
+    }
+    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
+        MmaArgs a = {};
+        a.w = b->d_weights + first;
+        a.w_expert_stride = b->expert_stride;
+        a.w_second = second;
+        a.n = n;
+        a.k = k;
+        a.x = x;
+        a.row_map = row_map;
+        a.row_div = ctx->cfg.top_k;
+        a.out = out;
+        a.tiles = b->tiles;
+        a.num_tiles = b->num_tiles;
+        return mma_launch<TW, GLU>(a, tile_m, slots, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                             colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
+                                             cudaStream_t stream) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const int64_t assignments = num_tokens * c->top_k;
+    const int32_t H = c->hidden_size, F = c->intermediate_size;
+    const size_t wsize = colibri_dtype_size(c->weight_dtype), mat = (size_t)F * H * wsize;
+    const bool swiglu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    /* the tensor-core path reads x in the weight dtype */
+    if (tile_m != GEMV_GROUP && act_dtype != c->weight_dtype) {
+        colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, c->weight_dtype,
+                                                          num_tokens * H, stream);
+        if (st != COLIBRI_OK) return st;
+        input = b->xc;
+        act_dtype = c->weight_dtype;
+    }
+    const bool in_aligned = colibri_aligned16(input);
+    cudaError_t err = cudaSuccess;
+    colibri_dispatch_dtype(c->weight_dtype, [&](auto tw) {
+        using TW = typename decltype(tw)::type;
+        colibri_dispatch_dtype(act_dtype, [&](auto tx) {
+            using TX = typename decltype(tx)::type;
+            if (swiglu)
+                err = project<TW, TX, true>(ctx, assignments, tile_m, 0, mat, F, H, input, b->perm, b->inter,
+                                            in_aligned, stream);
+            else
+                err = project<TW, TX, false>(ctx, assignments, tile_m, 0, 0, F, H, input, b->perm, b->y, in_aligned,
+                                             stream);
+        });
+        if (err == cudaSuccess && swiglu)
+            err = project<TW, TW, false>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
+                                         stream);
+    });
+    COLIBRI_CUDA_CHECK(err);
+    return COLIBRI_OK;
+}
