@@ -32,7 +32,10 @@ C_OBJS      := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(C_SRCS))
 ifeq ($(CUDA)$(if $(CUDA_SRCS),y,n),1y)
   BACKEND_OBJS := $(patsubst csrc/%.cu,$(BUILD)/obj/%.o,$(CUDA_SRCS))
   LINK        := $(CXX)
-  LDLIBS      += -L$(dir $(NVCC))../lib64 -lcudart_static -ldl -lpthread -lrt
+  # nvcc may be a wrapper script outside the toolkit: look for the static runtime where toolkits keep it
+  CUDA_LIBDIR ?= $(patsubst %/,%,$(dir $(firstword $(wildcard $(foreach d,$(dir $(NVCC))../lib64 $(dir $(NVCC))../lib \
+                   /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib,$(d)/libcudart_static.a)))))
+  LDLIBS      += -L$(CUDA_LIBDIR) -lcudart_static -ldl -lpthread -lrt
   CUDA_STATE  := built (sm $(CUDA_ARCH))
 else
   BACKEND_OBJS := $(BUILD)/obj/src/cuda_stub.o
