@@ -1,6 +1,8 @@
 """MoELayer on the CPU against the float64 reference: every routing x expert kind x weight dtype x
 activation dtype at T = 1, 7, 64, 513, plus caller-given routing, chunking, counters, Python routing
 functions and every input error (each named, the layer still working after)."""
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -307,3 +309,21 @@ def test_bf16_output_round_trip(rng):
     ids, _ = layer.route(widened)
     ref, *_ = routed_reference(config, experts, bf16_to_float32(bits).astype(np.float64), router, None, ids)
     assert_close(again.numpy(), ref, error_limit("bf16"))
+
+
+def test_package_is_self_contained(tmp_path):
+    """The package folder (extension + libcolibri.so, linked with rpath $ORIGIN) works when copied
+    elsewhere, as into a Docker image or next to a Triton model."""
+    import shutil
+    import subprocess
+    import sys
+    copy = tmp_path / "site" / "colibri"
+    shutil.copytree(pathlib.Path(colibri.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    script = ("import colibri, numpy as np, sys; from colibri.testing import random_layer; "
+              "c, e, r, _ = random_layer(np.random.default_rng(0)); "
+              "out = colibri.MoELayer(c, e, r).forward(np.ones((2, 64), np.float32)); "
+              "print(colibri.__file__, out.shape, bool(np.isfinite(out).all()))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PYTHONPATH": str(copy.parent), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(copy / "__init__.py"), "(2,", "64)", "True"]

@@ -67,6 +67,8 @@ class SafetensorsFile:
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
+        if self.path.suffix in PICKLE_SUFFIXES:
+            raise self._error(PICKLE_REFUSAL)
         with open(self.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
@@ -74,7 +76,7 @@ class SafetensorsFile:
             head = f.read(8)
             (header_len,) = struct.unpack("<Q", head)
             header_fits = header_len <= MAX_HEADER_BYTES and 8 + header_len <= size
-            if self.path.suffix in PICKLE_SUFFIXES or (not header_fits and head.startswith(PICKLE_MAGICS)):
+            if not header_fits and head.startswith(PICKLE_MAGICS):
                 raise self._error(PICKLE_REFUSAL)
             if not header_fits:
                 raise self._error(f"header length {header_len} does not fit a file of {size} bytes "
@@ -123,6 +125,8 @@ class SafetensorsFile:
         for info in sorted(tensors.values(), key=lambda i: (i.begin, i.end)):
             if info.begin < end:
                 raise self._error(f"tensor {info.name!r}: data overlaps the previous tensor")
+            if info.begin > end:
+                raise self._error(f"tensor {info.name!r}: a hole of {info.begin - end} bytes before its data")
             end = info.end
         if end != data_size:
             raise self._error(f"tensors cover {end} data bytes but the file holds {data_size} (holes or trailing bytes)")
