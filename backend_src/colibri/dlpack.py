@@ -218,17 +218,17 @@ class Tensor:
     `numpy()` (a host copy; bf16 widened to float32). Accepted by np.from_dlpack (not bf16),
     torch.from_dlpack, cupy.from_dlpack and pb_utils.Tensor.from_dlpack."""
 
-    __slots__ = ("_owner", "_ptr", "shape", "dtype", "_device_type", "_device_id", "_ready")
+    __slots__ = ("_owner", "_ptr", "shape", "dtype", "_device_type", "_device_id", "stream")
 
     def __init__(self, owner, ptr: int, shape, dtype: str, device_type: int = KDL_CPU, device_id: int = 0,
-                 ready=None):
+                 stream=None):
         if dtype not in _NAME_TO_DL:
             raise invalid(f"Tensor: unknown dtype {dtype!r}")
         self._owner, self._ptr = owner, int(ptr)
         self.shape, self.dtype = tuple(int(d) for d in shape), dtype
         self._device_type, self._device_id = int(device_type), int(device_id)
-        # On a GPU: a callable that waits until the data is written (consumers on other streams).
-        self._ready = ready
+        # On a GPU: the CUDA stream (int) the data is written on; consumers on other streams wait for it.
+        self.stream = stream
 
     @classmethod
     def from_numpy(cls, array: np.ndarray, dtype: str = None) -> "Tensor":
@@ -283,8 +283,8 @@ class Tensor:
             raise BufferError("colibri.Tensor exports its buffer without copying (copy=True refused)")
         if dl_device is not None and tuple(int(v) for v in dl_device) != self.__dlpack_device__():
             raise BufferError(f"colibri.Tensor lives on {self.device}, cannot export to {tuple(dl_device)}")
-        if self._ready is not None and stream is not None and stream != -1:
-            self._ready()
+        if self.stream is not None and stream != -1 and stream != self.stream:
+            _synchronize(self.stream, self._device_id)
         managed = ffi.new("DLManagedTensor *")
         ndim = len(self.shape)
         shape = ffi.new("int64_t[]", self.shape or [1])
@@ -359,6 +359,14 @@ def current_stream(kind: str, device_id: int) -> int:
     import cupy
     with cupy.cuda.Device(device_id):
         return int(cupy.cuda.get_current_stream().ptr)
+
+
+def _synchronize(stream: int, device_id: int) -> None:
+    library = _cuda_library()
+    if library.__name__ == "cupy":
+        library.cuda.ExternalStream(stream, device_id).synchronize()
+    else:
+        library.cuda.ExternalStream(stream, device=library.device("cuda", device_id)).synchronize()
 
 
 def stream_handle(stream) -> int:

@@ -189,6 +189,8 @@ class MoELayer:
             else:
                 ids_ptr, weights_ptr = self._take_routing(topk_ids, topk_weights, T, stream_ptr, views)
             output, out_ptr = self._output(out, x, (T, self.config.out_features), x.dtype, "out", views)
+            if isinstance(output, dlpack.Tensor) and self._device_type == dlpack.KDL_CUDA:
+                output.stream = stream_ptr
             self._call("colibri_moe_forward", lib.colibri_moe_forward, T, DTYPE_CODES[x.dtype],
                        ffi.cast("void *", x.ptr), ids_ptr, weights_ptr, ffi.cast("void *", out_ptr),
                        ffi.cast("void *", stream_ptr))
