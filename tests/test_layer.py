@@ -327,3 +327,80 @@ def test_package_is_self_contained(tmp_path):
                             env={"PYTHONPATH": str(copy.parent), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [str(copy / "__init__.py"), "(2,", "64)", "True"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA layers (run only where a GPU and the CUDA backend are present): the same reference, with torch,
+# cupy and raw CUDA capsules as inputs.
+
+needs_gpu = pytest.mark.skipif(not colibri.cuda_built() or colibri.cuda_device_count() == 0,
+                               reason="no GPU or libcolibri built without the CUDA backend")
+
+
+def _gpu_library(name):
+    return pytest.importorskip(name, reason=f"{name} is not installed in this environment")
+
+
+@needs_gpu
+@pytest.mark.parametrize("weight_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_cuda_torch_matches_reference(rng, routing, weight_dtype):
+    torch = _gpu_library("torch")
+    config, experts, router, bias = random_layer(rng, weight_dtype=weight_dtype, **ROUTINGS[routing])
+    layer = colibri.MoELayer(config, experts, router, bias, device="cuda")
+    for dtype, torch_dtype in (("fp32", torch.float32), ("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for T in TOKENS:
+            stored, x64 = random_hidden(rng, T, config.hidden_size, dtype)
+            host = torch.from_numpy(stored.view(np.int16)).view(torch.bfloat16) if dtype == "bf16" else torch.from_numpy(stored)
+            x = host.cuda()
+            ids, weights = layer.route(x)
+            assert ids.is_cuda and ids.dtype == torch.int32
+            ref, *_ = routed_reference(config, experts, x64, router, bias, ids.cpu().numpy())
+            out = layer.forward(x)
+            assert out.is_cuda and out.dtype == torch_dtype
+            assert_close(out.float().cpu().numpy(), ref, error_limit(dtype, weight_dtype), f"cuda torch {dtype} T={T}")
+            given = layer.forward(x, ids.long(), weights)
+            assert_close(given.float().cpu().numpy(), ref, error_limit(dtype, weight_dtype), f"cuda given {dtype} T={T}")
+    layer.expert_counts(reset=True)
+
+
+@needs_gpu
+def test_cuda_cupy_and_raw_capsules(rng):
+    cupy = _gpu_library("cupy")
+    torch = _gpu_library("torch")
+    config, experts, router, _ = random_layer(rng, weight_dtype="bf16")
+    layer = colibri.MoELayer(config, experts, router, device="cuda:0")
+    stored, x64 = random_hidden(rng, 64, config.hidden_size, "fp16")
+    ids, weights = random_routing(rng, 64, config.num_experts, config.top_k)
+    ref = reference.moe_forward(config, experts, x64, ids, weights)
+    out = layer.forward(cupy.asarray(stored), cupy.asarray(ids), cupy.asarray(weights))
+    assert isinstance(out, cupy.ndarray) and out.dtype == np.float16
+    assert_close(cupy.asnumpy(out), ref, error_limit("fp16", "bf16"), "cupy")
+    capsules = [torch.from_numpy(a).cuda().__dlpack__() for a in (stored, ids, weights)]
+    out = layer.forward(*capsules)
+    assert isinstance(out, colibri.Tensor) and out.device == "cuda:0" and out.dtype == "fp16"
+    assert_close(out.numpy(), ref, error_limit("fp16", "bf16"), "raw CUDA capsules")
+    assert_close(torch.from_dlpack(out).float().cpu().numpy(), ref, error_limit("fp16", "bf16"), "exported to torch")
+
+
+@needs_gpu
+def test_cuda_input_errors(rng):
+    torch = _gpu_library("torch")
+    config, experts, router, _ = random_layer(rng, hidden_size=H_ERR)
+    layer = colibri.MoELayer(config, experts, router, device="cuda")
+    x = torch.ones((3, H_ERR), device="cuda")
+    ids = torch.zeros((3, 2), dtype=torch.int32, device="cuda")
+    ids[2, 1] = 8
+    with pytest.raises(colibri.ColibriError, match=r"topk_ids: expert id 8 out of range \[0, 8\) at row 2"):
+        layer.forward(x, ids, torch.ones((3, 2), device="cuda"))
+    weights = torch.ones((3, 2), device="cuda")
+    weights[1, 0] = float("nan")
+    with pytest.raises(colibri.ColibriError, match="topk_weights: not finite at row 1"):
+        layer.forward(x, torch.zeros((3, 2), dtype=torch.int32, device="cuda"), weights)
+    with pytest.raises(colibri.ColibriError, match="hidden_states: on cpu but the layer runs on cuda:0"):
+        layer.forward(np.ones((3, H_ERR), np.float32))
+    stored, x64 = random_hidden(rng, 4, H_ERR, "fp32")
+    out = layer.forward(torch.from_numpy(stored).cuda())
+    ids, _ = layer.route(torch.from_numpy(stored).cuda())
+    ref, *_ = routed_reference(config, experts, x64, router, None, ids.cpu().numpy())
+    assert_close(out.cpu().numpy(), ref, error_limit("fp32"), "after an error")
