@@ -47,7 +47,9 @@ def find_tritonserver() -> Path:
     except ImportError as exc:
         raise ServeError("nvidia-pytriton is not installed: `make venv` installs it "
                          "(pinned in constraints.txt)") from exc
-    root = Path(pytriton.__file__).resolve().parent / "tritonserver"
+    # __path__, not __file__: an unpacked server bundle (../shared/tools/tritonserver-bundle.sh) on
+    # PYTHONPATH holds pytriton/tritonserver without pytriton/__init__.py, a namespace package.
+    root = Path(next(iter(pytriton.__path__))).resolve() / "tritonserver"
     if not os.access(root / "bin" / "tritonserver", os.X_OK):
         raise ServeError(f"no tritonserver binary in {root}/bin")
     return root
