@@ -68,7 +68,7 @@ $(LIB_SO): $(OBJS)
 	$(LINK) -shared -o $@ $^ $(LDLIBS)
 
 $(LIB_A): $(OBJS)
-	ar rcs $@ $^
+	rm -f $@ && ar rcs $@ $^
 
 $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 	@mkdir -p $(dir $@)
