@@ -1,0 +1,547 @@
+/*
+ * check_cuda.cu — GPU correctness harness for the CUDA backend, through the public API only.
+ *   make lib && nvcc -O2 -std=c++17 -Icsrc/include -Xcompiler -fopenmp -o build/check_cuda \
+ *        csrc/dev/cuda/check_cuda.cu build/libcolibri.a -lgomp && build/check_cuda [--quick]
+ *
+ * For every routing (given ids, softmax->top-k with and without renormalisation, top-k->softmax,
+ * sigmoid+bias with a scaling factor, a custom routing_fn) x expert kind x weight dtype x activation
+ * dtype x T, on fresh random inputs: colibri_moe_route against a float64 routing (ids compared only
+ * where the reference's scores are clearly apart, weights there too), then forward with those ids
+ * against a float64 forward, the error normalised by max|reference| and bounded per dtype; outputs are
+ * poisoned with NaN first and any non-finite output fails. Also: forward without ids is bitwise the
+ * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
+ * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
+ * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles.
+ * Exit status 0 only if every check passed.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <algorithm>
+#include <random>
+#include <vector>
+
+#include "colibri.h"
+
+static int failures = 0, checks = 0;
+
+#define CUDA_OK(call)                                                                                   \
+    do {                                                                                               \
+        cudaError_t e_ = (call);                                                                       \
+        if (e_ != cudaSuccess) {                                                                       \
+            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));       \
+            exit(2);                                                                                   \
+        }                                                                                              \
+    } while (0)
+#define COL_OK(call)                                                                                    \
+    do {                                                                                               \
+        colibri_status_t s_ = (call);                                                                  \
+        if (s_ != COLIBRI_OK) {                                                                        \
+            fprintf(stderr, "%s:%d %s: %s: %s\n", __FILE__, __LINE__, #call, colibri_status_string(s_),   \
+                    colibri_last_error());                                                             \
+            exit(2);                                                                                   \
+        }                                                                                              \
+    } while (0)
+
+static void expect(bool ok, const char *what) {
+    checks++;
+    if (!ok) {
+        failures++;
+        printf("FAIL %s\n", what);
+    }
+}
+
+static const char *dtype_name(colibri_dtype_t d) {
+    return d == COLIBRI_DTYPE_F32 ? "f32" : d == COLIBRI_DTYPE_F16 ? "f16" : "bf16";
+}
+
+/* Rounds v to dtype d and stores it at buf[i]; returns the stored value as a double. */
+static double put(void *buf, colibri_dtype_t d, size_t i, double v) {
+    switch (d) {
+    case COLIBRI_DTYPE_F32: ((float *)buf)[i] = (float)v; return ((float *)buf)[i];
+    case COLIBRI_DTYPE_F16: ((__half *)buf)[i] = __float2half((float)v); return __half2float(((__half *)buf)[i]);
+    case COLIBRI_DTYPE_BF16:
+        ((__nv_bfloat16 *)buf)[i] = __float2bfloat16((float)v);
+        return __bfloat162float(((__nv_bfloat16 *)buf)[i]);
+    }
+    return 0;
+}
+static double get(const void *buf, colibri_dtype_t d, size_t i) {
+    switch (d) {
+    case COLIBRI_DTYPE_F32: return ((const float *)buf)[i];
+    case COLIBRI_DTYPE_F16: return __half2float(((const __half *)buf)[i]);
+    case COLIBRI_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16 *)buf)[i]);
+    }
+    return 0;
+}
+
+/* Normalised error bound for the coarser of the two dtypes (bf16 keeps 8 bits, fp16 11). */
+static double limit_for(colibri_dtype_t w, colibri_dtype_t a) {
+    auto one = [](colibri_dtype_t d) { return d == COLIBRI_DTYPE_BF16 ? 2e-2 : d == COLIBRI_DTYPE_F16 ? 4e-3 : 2e-5; };
+    return std::max(one(w), one(a));
+}
+
+struct Shape {
+    int E, k, H, F;
+};
+
+struct Layer {
+    Shape s;
+    colibri_expert_kind_t kind;
+    colibri_dtype_t wdt;
+    std::vector<char> packed;      /* host packed buffer with gaps between experts */
+    std::vector<uint64_t> offsets;
+    std::vector<double> w;         /* [E, numel] the stored weights as doubles */
+    std::vector<float> router, bias;
+    uint64_t numel, total;
+};
+
+static Layer make_layer(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, std::mt19937_64 &rng) {
+    Layer L;
+    L.s = s;
+    L.kind = kind;
+    L.wdt = wdt;
+    L.numel = colibri_expert_numel(kind, s.H, s.F);
+    const uint64_t gap = 3;
+    L.total = (L.numel + gap) * s.E;
+    L.packed.assign(L.total * colibri_dtype_size(wdt), 0);
+    L.w.resize(L.numel * s.E);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    for (int e = 0; e < s.E; e++) {
+        L.offsets.push_back((uint64_t)e * (L.numel + gap) + (e % 2));
+        for (uint64_t i = 0; i < L.numel; i++) {
+            /* gate/up/linear rows have H inputs, down rows F */
+            const double fan = (kind == COLIBRI_EXPERT_SWIGLU && i >= 2ull * s.H * s.F) ? s.F : s.H;
+            L.w[e * L.numel + i] = put(L.packed.data(), wdt, L.offsets[e] + i, u(rng) * 1.7 / sqrt(fan));
+        }
+    }
+    L.router.resize((size_t)s.E * s.H);
+    for (auto &r : L.router) r = (float)(u(rng) * 3.0 / sqrt((double)s.H));
+    L.bias.resize(s.E);
+    for (auto &b : L.bias) b = (float)(u(rng) * 0.2);
+    return L;
+}
+
+static int out_features(const Layer &L) { return L.kind == COLIBRI_EXPERT_SWIGLU ? L.s.H : L.s.F; }
+
+/* float64 forward of the given routing; ids outside [0, E) contribute nothing */
+static std::vector<double> ref_forward(const Layer &L, const std::vector<double> &x, int T, const std::vector<int> &ids,
+                                       const std::vector<float> &wts) {
+    const int H = L.s.H, F = L.s.F, k = L.s.k, O = out_features(L);
+    std::vector<double> out((size_t)T * O, 0.0);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int t = 0; t < T; t++) {
+        std::vector<double> h(F), y(O);
+        const double *xt = &x[(size_t)t * H];
+        for (int j = 0; j < k; j++) {
+            const int e = ids[(size_t)t * k + j];
+            if (e < 0 || e >= L.s.E) continue;
+            const double *we = &L.w[(size_t)e * L.numel];
+            if (L.kind == COLIBRI_EXPERT_SWIGLU) {
+                for (int f = 0; f < F; f++) {
+                    double g = 0, u = 0;
+                    for (int i = 0; i < H; i++) {
+                        g += we[(size_t)f * H + i] * xt[i];
+                        u += we[(size_t)F * H + (size_t)f * H + i] * xt[i];
+                    }
+                    h[f] = g / (1.0 + exp(-g)) * u;
+                }
+                for (int o = 0; o < O; o++) {
+                    double s = 0;
+                    for (int f = 0; f < F; f++) s += we[2 * (size_t)F * H + (size_t)o * F + f] * h[f];
+                    y[o] = s;
+                }
+            } else {
+                for (int o = 0; o < O; o++) {
+                    double s = 0;
+                    for (int i = 0; i < H; i++) s += we[(size_t)o * H + i] * xt[i];
+                    y[o] = s;
+                }
+            }
+            for (int o = 0; o < O; o++) out[(size_t)t * O + o] += wts[(size_t)t * k + j] * y[o];
+        }
+    }
+    return out;
+}
+
+struct RouteRef {
+    std::vector<int> ids;
+    std::vector<double> wts;
+    std::vector<char> clear; /* the top k+1 scores are apart by more than the fp32 logits can be off */
+};
+
+static RouteRef ref_route(const Layer &L, const std::vector<double> &x, int T, colibri_routing_t routing, int renorm,
+                          double scale) {
+    const int E = L.s.E, k = L.s.k, H = L.s.H;
+    RouteRef r;
+    r.ids.resize((size_t)T * k);
+    r.wts.resize((size_t)T * k);
+    r.clear.resize(T);
+#pragma omp parallel for
+    for (int t = 0; t < T; t++) {
+        std::vector<double> l(E), sel(E);
+        for (int e = 0; e < E; e++) {
+            double s = 0;
+            for (int i = 0; i < H; i++) s += (double)L.router[(size_t)e * H + i] * x[(size_t)t * H + i];
+            l[e] = s;
+        }
+        const double mx = *std::max_element(l.begin(), l.end());
+        double sum = 0;
+        for (int e = 0; e < E; e++) sum += exp(l[e] - mx);
+        for (int e = 0; e < E; e++)
+            sel[e] = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0 / (1.0 + exp(-l[e])) + L.bias[e] : l[e];
+        std::vector<int> order(E);
+        for (int e = 0; e < E; e++) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return sel[a] > sel[b]; });
+        bool clear = true;
+        for (int j = 0; j < k && j + 1 < E; j++) clear = clear && sel[order[j]] - sel[order[j + 1]] > 1e-4;
+        r.clear[t] = clear;
+        double wsum = 0;
+        for (int j = 0; j < k; j++) {
+            const int e = order[j];
+            r.ids[(size_t)t * k + j] = e;
+            double w = routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? exp(l[e] - mx) / sum
+                       : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0 / (1.0 + exp(-l[e]))
+                                                                 : exp(l[e] - l[order[0]]);
+            r.wts[(size_t)t * k + j] = w;
+            wsum += w;
+        }
+        const bool normalise = routing == COLIBRI_ROUTING_TOPK_SOFTMAX || renorm;
+        for (int j = 0; j < k; j++) r.wts[(size_t)t * k + j] = (normalise ? r.wts[(size_t)t * k + j] / wsum
+                                                                          : r.wts[(size_t)t * k + j]) * scale;
+    }
+    return r;
+}
+
+/* Writes ids (t + j) % E and weights 1/k on the device: the custom router of the routing_fn case. */
+__global__ void simple_router(int T, int E, int k, int32_t *ids, float *wts) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * k) return;
+    ids[i] = (i / k + i % k) % E;
+    wts[i] = 1.0f / k;
+}
+static int routing_fn_calls = 0;
+static colibri_status_t simple_routing_fn(void *user, int64_t T, int32_t E, int32_t k, colibri_dtype_t, const void *,
+                                          const float *, int32_t *ids, float *wts, void *stream) {
+    (void)user;
+    routing_fn_calls++;
+    simple_router<<<(unsigned)((T * k + 255) / 256), 256, 0, (cudaStream_t)stream>>>((int)T, E, k, ids, wts);
+    return cudaGetLastError() == cudaSuccess ? COLIBRI_OK : COLIBRI_ERR_CUDA;
+}
+
+static bool all_finite(const void *out, colibri_dtype_t adt, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!std::isfinite(get(out, adt, i))) return false;
+    return true;
+}
+
+/* max |out - ref| / max |ref|, or +inf if any output is not finite */
+static double normalised_error(const void *out, colibri_dtype_t adt, const std::vector<double> &ref) {
+    double scale = 1e-30, err = 0;
+    for (size_t i = 0; i < ref.size(); i++) {
+        const double o = get(out, adt, i);
+        if (!std::isfinite(o)) return INFINITY;
+        scale = std::max(scale, fabs(ref[i]));
+        err = std::max(err, fabs(o - ref[i]));
+    }
+    return err / scale;
+}
+
+struct Dev {
+    void *in = nullptr, *out = nullptr, *out2 = nullptr;
+    int32_t *ids = nullptr;
+    float *wts = nullptr;
+};
+
+enum { GIVEN = -1, CUSTOM = -2 };
+
+struct Worst {
+    double err = 0, ratio = 0;
+};
+static Worst worst[3][3];
+
+static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, colibri_dtype_t adt, int routing,
+                     int renorm, int T, int workspace, std::mt19937_64 &rng) {
+    char name[200];
+    snprintf(name, sizeof name, "E=%d k=%d H=%d F=%d %s w=%s a=%s routing=%d renorm=%d T=%d ws=%d", s.E, s.k, s.H, s.F,
+             kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", dtype_name(wdt), dtype_name(adt), routing, renorm, T,
+             workspace);
+    Layer L = make_layer(s, kind, wdt, rng);
+    const int k = s.k, H = s.H, O = out_features(L);
+    const double scale = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 2.5 : 1.0;
+    colibri_moe_config_t cfg = {};
+    cfg.expert_kind = kind;
+    cfg.weight_dtype = wdt;
+    cfg.num_experts = s.E;
+    cfg.top_k = k;
+    cfg.hidden_size = H;
+    cfg.intermediate_size = s.F;
+    cfg.routing = routing >= 0 ? (colibri_routing_t)routing : COLIBRI_ROUTING_SOFTMAX_TOPK;
+    cfg.renormalize = renorm;
+    cfg.routed_scaling_factor = (float)scale;
+    cfg.workspace_tokens = workspace;
+    cfg.device = COLIBRI_DEVICE_CUDA;
+    if (routing == CUSTOM) cfg.routing_fn = simple_routing_fn;
+    colibri_moe_context_t *ctx = nullptr;
+    COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total,
+                                    routing == GIVEN || routing == CUSTOM ? nullptr : L.router.data(),
+                                    L.bias.data()));
+
+    const size_t asz = colibri_dtype_size(adt);
+    std::vector<char> hin((size_t)T * H * asz);
+    std::vector<double> x((size_t)T * H);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (size_t i = 0; i < x.size(); i++) x[i] = put(hin.data(), adt, i, nd(rng));
+    Dev d;
+    CUDA_OK(cudaMalloc(&d.in, hin.size()));
+    CUDA_OK(cudaMalloc(&d.out, (size_t)T * O * asz));
+    CUDA_OK(cudaMalloc(&d.out2, (size_t)T * O * asz));
+    CUDA_OK(cudaMalloc(&d.ids, (size_t)T * k * 4));
+    CUDA_OK(cudaMalloc(&d.wts, (size_t)T * k * 4));
+    CUDA_OK(cudaMemcpy(d.in, hin.data(), hin.size(), cudaMemcpyHostToDevice));
+
+    std::vector<int> ids((size_t)T * k);
+    std::vector<float> wts((size_t)T * k);
+    if (routing == GIVEN) {
+        /* half the tokens pile onto expert 0 so that it spans many tiles */
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (int t = 0; t < T; t++) {
+            std::vector<int> perm(s.E);
+            for (int e = 0; e < s.E; e++) perm[e] = e;
+            std::shuffle(perm.begin(), perm.end(), rng);
+            if (u(rng) < 0.5) std::swap(perm[0], *std::find(perm.begin(), perm.end(), 0));
+            for (int j = 0; j < k; j++) {
+                ids[(size_t)t * k + j] = perm[j];
+                wts[(size_t)t * k + j] = (float)(u(rng) + 0.1);
+            }
+        }
+        CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+        CUDA_OK(cudaMemset(d.ids, 0xff, (size_t)T * k * 4));
+        CUDA_OK(cudaMemset(d.wts, 0xff, (size_t)T * k * 4));
+        COL_OK(colibri_moe_route(ctx, T, adt, d.in, d.ids, d.wts, nullptr));
+        CUDA_OK(cudaMemcpy(ids.data(), d.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(wts.data(), d.wts, wts.size() * 4, cudaMemcpyDeviceToHost));
+        if (routing >= 0) {
+            RouteRef r = ref_route(L, x, T, (colibri_routing_t)routing, renorm, scale);
+            int compared = 0, id_bad = 0, w_bad = 0;
+            for (int t = 0; t < T; t++) {
+                if (!r.clear[t]) continue;
+                compared++;
+                for (int j = 0; j < k; j++) {
+                    const size_t i = (size_t)t * k + j;
+                    if (ids[i] != r.ids[i]) id_bad++;
+                    else if (!(fabs(wts[i] - r.wts[i]) <= 2e-5 * (1 + fabs(r.wts[i])))) w_bad++;
+                }
+            }
+            char what[300];
+            snprintf(what, sizeof what, "%s: route ids (%d wrong) and weights (%d off) on %d/%d clear tokens", name,
+                     id_bad, w_bad, compared, T);
+            expect(id_bad == 0 && w_bad == 0 && compared >= T * 8 / 10, what);
+        } else {
+            bool ok = routing_fn_calls > 0;
+            for (size_t i = 0; i < ids.size(); i++)
+                ok = ok && ids[i] == (int)((i / k + i % k) % s.E) && wts[i] == 1.0f / k;
+            char what[300];
+            snprintf(what, sizeof what, "%s: routing_fn called on the stream with device pointers", name);
+            expect(ok, what);
+        }
+    }
+
+    const std::vector<double> ref = ref_forward(L, x, T, ids, wts);
+    const size_t obytes = (size_t)T * O * asz;
+    CUDA_OK(cudaMemset(d.out, 0xff, obytes));
+    COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<char> hout(obytes), hout2(obytes);
+    CUDA_OK(cudaMemcpy(hout.data(), d.out, obytes, cudaMemcpyDeviceToHost));
+    const double err = normalised_error(hout.data(), adt, ref), lim = limit_for(wdt, adt);
+    {
+        char what[300];
+        snprintf(what, sizeof what, "%s: forward error %.3g > limit %.3g", name, err, lim);
+        expect(err <= lim, what);
+        Worst &w = worst[wdt][adt];
+        w.err = std::max(w.err, err);
+        w.ratio = std::max(w.ratio, err / lim);
+    }
+    /* same inputs again: bitwise identical; without ids (routing inside forward): identical too */
+    CUDA_OK(cudaMemset(d.out2, 0xff, obytes));
+    if (routing == GIVEN) COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out2, nullptr));
+    else COL_OK(colibri_moe_forward(ctx, T, adt, d.in, nullptr, nullptr, d.out2, nullptr));
+    CUDA_OK(cudaMemcpy(hout2.data(), d.out2, obytes, cudaMemcpyDeviceToHost));
+    {
+        char what[300];
+        snprintf(what, sizeof what, "%s: second forward%s bitwise equal", name,
+                 routing == GIVEN ? "" : " (routing inside forward)");
+        expect(memcmp(hout.data(), hout2.data(), obytes) == 0, what);
+    }
+    COL_OK(colibri_moe_context_take_device_error(ctx));
+
+    /* counters: two forwards since init, every id valid */
+    std::vector<uint64_t> counts(s.E), want(s.E, 0);
+    for (int i : ids) want[i] += 2;
+    COL_OK(colibri_moe_context_expert_counts(ctx, counts.data(), 1));
+    {
+        char what[300];
+        snprintf(what, sizeof what, "%s: expert counts", name);
+        expect(counts == want, what);
+    }
+    colibri_moe_context_destroy(ctx);
+    cudaFree(d.in);
+    cudaFree(d.out);
+    cudaFree(d.out2);
+    cudaFree(d.ids);
+    cudaFree(d.wts);
+    printf("ok   %-90s err %.3g (limit %.3g)\n", name, err, lim);
+    fflush(stdout);
+}
+
+/* Capture forward (routing inside) into a graph, replay it on new inputs, compare with eager. Also ids
+ * out of range: flagged by take_device_error, skipped in the output, not counted. */
+static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T, std::mt19937_64 &rng) {
+    Layer L = make_layer(s, COLIBRI_EXPERT_SWIGLU, wdt, rng);
+    colibri_moe_config_t cfg = {};
+    cfg.expert_kind = COLIBRI_EXPERT_SWIGLU;
+    cfg.weight_dtype = wdt;
+    cfg.num_experts = s.E;
+    cfg.top_k = s.k;
+    cfg.hidden_size = s.H;
+    cfg.intermediate_size = s.F;
+    cfg.routing = COLIBRI_ROUTING_SOFTMAX_TOPK;
+    cfg.renormalize = 1;
+    cfg.routed_scaling_factor = 1.0f;
+    cfg.device = COLIBRI_DEVICE_CUDA;
+    colibri_moe_context_t *ctx = nullptr;
+    COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total, L.router.data(), nullptr));
+    const size_t asz = colibri_dtype_size(adt), ibytes = (size_t)T * s.H * asz, obytes = (size_t)T * s.H * asz;
+    std::vector<char> hin(ibytes), a(obytes), b(obytes);
+    std::vector<double> x((size_t)T * s.H);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    void *in, *out;
+    CUDA_OK(cudaMalloc(&in, ibytes));
+    CUDA_OK(cudaMalloc(&out, obytes));
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    COL_OK(colibri_moe_forward(ctx, T, adt, in, nullptr, nullptr, out, st));
+    CUDA_OK(cudaStreamEndCapture(st, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    char name[160];
+    snprintf(name, sizeof name, "graph E=%d k=%d H=%d F=%d w=%s a=%s T=%d", s.E, s.k, s.H, s.F, dtype_name(wdt),
+             dtype_name(adt), T);
+    for (int rep = 0; rep < 3; rep++) {
+        for (size_t i = 0; i < x.size(); i++) x[i] = put(hin.data(), adt, i, nd(rng));
+        CUDA_OK(cudaMemcpy(in, hin.data(), ibytes, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(out, 0xff, obytes));
+        CUDA_OK(cudaGraphLaunch(exec, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        CUDA_OK(cudaMemcpy(a.data(), out, obytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemset(out, 0xff, obytes));
+        COL_OK(colibri_moe_forward(ctx, T, adt, in, nullptr, nullptr, out, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        CUDA_OK(cudaMemcpy(b.data(), out, obytes, cudaMemcpyDeviceToHost));
+        char what[200];
+        snprintf(what, sizeof what, "%s: replay %d bitwise equal to eager and finite", name, rep);
+        expect(memcmp(a.data(), b.data(), obytes) == 0 && all_finite(a.data(), adt, (size_t)T * s.H), what);
+    }
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+
+    /* ids out of range: every third token gets id E or -1 in one slot */
+    std::vector<int> ids((size_t)T * s.k);
+    std::vector<float> wts((size_t)T * s.k, 0.5f);
+    std::vector<uint64_t> want(s.E, 0), counts(s.E);
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < s.k; j++) {
+            int e = (t * 7 + j * 3) % s.E;
+            if (j == 0 && t % 3 == 1) e = t % 2 ? s.E : -1;
+            else if (j == 0 && t % 3 == 2) e = s.E + 100;
+            ids[(size_t)t * s.k + j] = e;
+            if (e >= 0 && e < s.E) want[e]++;
+        }
+    const std::vector<double> ref = ref_forward(L, x, T, ids, wts);
+    int32_t *d_ids;
+    float *d_wts;
+    CUDA_OK(cudaMalloc(&d_ids, ids.size() * 4));
+    CUDA_OK(cudaMalloc(&d_wts, wts.size() * 4));
+    CUDA_OK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
+    COL_OK(colibri_moe_context_expert_counts(ctx, counts.data(), 1));
+    CUDA_OK(cudaMemset(out, 0xff, obytes));
+    COL_OK(colibri_moe_forward(ctx, T, adt, in, d_ids, d_wts, out, st));
+    const colibri_status_t flagged = colibri_moe_context_take_device_error(ctx);
+    const colibri_status_t cleared = colibri_moe_context_take_device_error(ctx);
+    CUDA_OK(cudaMemcpy(a.data(), out, obytes, cudaMemcpyDeviceToHost));
+    COL_OK(colibri_moe_context_expert_counts(ctx, counts.data(), 0));
+    const double err = normalised_error(a.data(), adt, ref);
+    char what[300];
+    snprintf(what, sizeof what, "%s: bad ids flagged (%s), then cleared (%s), skipped (err %.3g), not counted", name,
+             colibri_status_string(flagged), colibri_status_string(cleared), err);
+    expect(flagged == COLIBRI_ERR_INVALID_ARGUMENT && cleared == COLIBRI_OK && err <= limit_for(wdt, adt) &&
+               counts == want,
+           what);
+    printf("ok   %s\n", name);
+    cudaFree(d_ids);
+    cudaFree(d_wts);
+    cudaFree(in);
+    cudaFree(out);
+    CUDA_OK(cudaStreamDestroy(st));
+    colibri_moe_context_destroy(ctx);
+}
+
+int main(int argc, char **argv) {
+    const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
+    if (!colibri_cuda_built() || colibri_cuda_device_count() < 1) {
+        printf("SKIP: CUDA backend built %d, devices %d\n", colibri_cuda_built(), colibri_cuda_device_count());
+        return 0;
+    }
+    const uint64_t seed = quick ? 7 : (uint64_t)time(nullptr);
+    printf("seed %llu%s\n", (unsigned long long)seed, quick ? " (quick: a subset, for the sanitizers)" : "");
+    std::mt19937_64 rng(seed);
+    const Shape aligned = {8, 2, 136, 88};  /* 16-byte gemv, every tensor-core tile height, partial tiles */
+    const Shape odd = {5, 3, 36, 20};       /* scalar gemv: rows not 16-byte multiples */
+    const Shape wide = {64, 6, 64, 32};     /* many experts, fine-grained */
+    const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
+    const int routings[6][2] = {{GIVEN, 0}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 1}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 0},
+                                {COLIBRI_ROUTING_TOPK_SOFTMAX, 0}, {COLIBRI_ROUTING_SIGMOID_BIAS, 1}, {CUSTOM, 0}};
+    const std::vector<int> Ts = quick ? std::vector<int>{1, 7, 64, 513} : std::vector<int>{1, 7, 32, 64, 128, 513, 4096};
+    for (int r = 0; r < 6; r++)
+        for (int kind = 0; kind < 2; kind++)
+            for (colibri_dtype_t w : dts)
+                for (colibri_dtype_t a : dts)
+                    for (int T : Ts) {
+                        if (quick && (w != a || r % 2)) continue;
+                        run_case(aligned, (colibri_expert_kind_t)kind, w, a, routings[r][0], routings[r][1], T, 0, rng);
+                    }
+    for (Shape s : {odd, wide})
+        for (int r = 0; r < 6; r++)
+            for (colibri_dtype_t w : dts)
+                for (int T : Ts) {
+                    if (quick && (T == 1 || T > 64 || r % 2)) continue;
+                    run_case(s, COLIBRI_EXPERT_SWIGLU, w, w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w,
+                             routings[r][0], routings[r][1], T, 0, rng);
+                }
+    /* chunking: workspace smaller than T */
+    run_case(aligned, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1,
+             quick ? 513 : 4096, 200, rng);
+    for (colibri_dtype_t w : dts)
+        for (int T : {1, 7, 513}) graph_and_bad_ids(aligned, w, COLIBRI_DTYPE_BF16, T, rng);
+    graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 64 : 4096, rng);
+
+    printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
+    for (colibri_dtype_t w : dts)
+        for (colibri_dtype_t a : dts)
+            if (worst[w][a].ratio > 0)
+                printf("  w=%-4s a=%-4s %.3g (%.2f)\n", dtype_name(w), dtype_name(a), worst[w][a].err, worst[w][a].ratio);
+    printf("%s: %d checks, %d failed\n", failures ? "FAIL" : "PASS", checks, failures);
+    return failures ? 1 : 0;
+}
