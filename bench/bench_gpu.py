@@ -1,0 +1,214 @@
+"""GPU benchmark of one MoE layer: Colibri (CUDA-graph replay) against PyTorch eager (the Hugging Face
+loop over experts) and torch._grouped_mm, bf16, on Mixtral-, DeepSeek-V2-Lite- and Qwen1.5-MoE-shaped
+layers, in one process. The copy bandwidth and the bf16 matmul rate are measured in the same run and
+give the floor = max((bytes of the experts touched + activations) / copy BW, FLOPs / matmul rate).
+Every time is the median of many CUDA-event timings of one call, with L2 flushed before each call
+(the weights a call touches are then read from HBM, as in a server that runs other layers between).
+
+    python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30]
+
+Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding.
+"""
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as Fn
+
+SHAPES = [  # name, E, k, H, F, renormalize
+    ("Mixtral-8x7B", 8, 2, 4096, 14336, 1),
+    ("DeepSeek-V2-Lite", 64, 6, 2048, 1408, 0),
+    ("Qwen1.5-MoE", 60, 4, 2048, 1408, 0),
+]
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+
+
+class Config(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in (
+        "expert_kind", "weight_dtype", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",
+        "renormalize")] + [("routed_scaling_factor", ctypes.c_float)] + [
+        (name, ctypes.c_int32) for name in ("workspace_tokens", "device", "device_id", "num_threads")] + [
+        ("routing_fn", ctypes.c_void_p), ("routing_user_data", ctypes.c_void_p)]
+
+
+def load_lib(path):
+    lib = ctypes.CDLL(path)
+    lib.colibri_moe_context_init.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(Config), ctypes.c_void_p,
+                                             ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64, ctypes.c_void_p,
+                                             ctypes.c_void_p]
+    lib.colibri_moe_forward.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.colibri_moe_context_destroy.argtypes = [ctypes.c_void_p]
+    lib.colibri_moe_context_take_device_error.argtypes = [ctypes.c_void_p]
+    lib.colibri_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def check(lib, status, what):
+    if status != 0:
+        raise RuntimeError(f"{what}: status {status}: {lib.colibri_last_error().decode()}")
+
+
+class Timer:
+    """Median of `reps` CUDA-event timings of fn(), each after an L2 flush."""
+
+    def __init__(self, reps):
+        self.reps = reps
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn, warmup=3):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            self.flush.zero_()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+
+def ceilings(timer):
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = timer(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / (copy_ms * 1e-3)
+    del src, dst
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_ms = timer(lambda: a @ b)
+    return copy_bw, 2 * n ** 3 / (mm_ms * 1e-3)
+
+
+def route(x, router, k, renormalize):
+    probs = torch.softmax(x.float() @ router.T, dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    return w, ids
+
+
+def hf_eager(x, router, w1, w3, w2, k, renormalize):
+    """The Hugging Face Mixtral/Qwen2-MoE loop: one matmul chain per expert that got tokens."""
+    w, ids = route(x, router, k, renormalize)
+    out = torch.zeros_like(x)
+    mask = Fn.one_hot(ids, num_classes=w1.shape[0]).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit.flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        xs = x[tok]
+        h = Fn.silu(xs @ w1[e].T) * (xs @ w3[e].T)
+        out.index_add_(0, tok, (h @ w2[e].T) * w[tok, slot, None].to(x.dtype))
+    return out
+
+
+def grouped(x, router, w1t, w3t, w2t, k, renormalize):
+    """Tokens sorted by expert, three torch._grouped_mm calls, weighted scatter-add back."""
+    w, ids = route(x, router, k, renormalize)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1t.shape[0])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // k]
+    h = Fn.silu(torch._grouped_mm(xs, w1t, offs=offs)) * torch._grouped_mm(xs, w3t, offs=offs)
+    y = torch._grouped_mm(h, w2t, offs=offs) * w.flatten()[order, None].to(x.dtype)
+    out = torch.zeros_like(x)
+    out.index_add_(0, order // k, y)
+    return out
+
+
+def bench_shape(lib, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    w1 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
+    w3 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
+    w2 = (torch.randn(E, H, F, device="cuda") / F ** 0.5).to(dt)
+    router = torch.randn(E, H, device="cuda") / H ** 0.5
+    packed = torch.cat([w1.reshape(E, -1), w3.reshape(E, -1), w2.reshape(E, -1)], dim=1).cpu()
+    per_expert = 3 * H * F
+    offsets = (ctypes.c_uint64 * E)(*[e * per_expert for e in range(E)])
+    router_host = router.cpu().contiguous()
+    cfg = Config(expert_kind=0, weight_dtype=2, num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
+                 routing=0, renormalize=renorm, routed_scaling_factor=1.0, workspace_tokens=0, device=1, device_id=0,
+                 num_threads=0, routing_fn=None, routing_user_data=None)
+    ctx = ctypes.c_void_p()
+    check(lib, lib.colibri_moe_context_init(ctypes.byref(ctx), ctypes.byref(cfg), packed.data_ptr(), offsets,
+                                            packed.numel(), router_host.data_ptr(), None), "init")
+    del packed
+    w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
+    expert_bytes = per_expert * 2
+    try:
+        for T in TOKENS:
+            x = torch.randn(T, H, device="cuda", dtype=dt)
+            out = torch.empty_like(x)
+
+            def colibri_call():
+                check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
+                                                   torch.cuda.current_stream().cuda_stream), "forward")
+
+            colibri_call()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                colibri_call()
+            graph.replay()
+            torch.cuda.synchronize()
+            check(lib, lib.colibri_moe_context_take_device_error(ctx), "device error")
+            ref = hf_eager(x, router, w1, w3, w2, k, renorm)
+            rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_col = timer(graph.replay)
+            t_eager = timer(lambda: hf_eager(x, router, w1, w3, w2, k, renorm))
+            try:
+                t_grouped = timer(lambda: grouped(x, router, w1t, w3t, w2t, k, renorm))
+            except RuntimeError as err:
+                print(f"  torch._grouped_mm failed: {err}", file=sys.stderr)
+                t_grouped = float("nan")
+            touched = torch.unique(route(x, router, k, renorm)[1]).numel()
+            nbytes = touched * expert_bytes + 2 * T * H * 2
+            flops = 2 * T * k * 3 * H * F
+            floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
+            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, colibri_ms=t_col, eager_ms=t_eager, grouped_ms=t_grouped,
+                       floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col, speedup_vs_eager=t_eager / t_col,
+                       speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err)
+            rows.append(row)
+            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {row['speedup_vs_eager']:7.2f} "
+                  f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}",
+                  flush=True)
+            del graph
+    finally:
+        lib.colibri_moe_context_destroy(ctx)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lib", default="build/libcolibri.so")
+    ap.add_argument("--json", default="bench/gpu.json")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    args = ap.parse_args()
+    lib = load_lib(args.lib)
+    timer = Timer(args.reps)
+    copy_bw, mm_rate = ceilings(timer)
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
+    print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
+          f"{'floor':>8s} {'frac':>6s} {'rel err':>8s}   (ms, medians of {args.reps})")
+    rows = []
+    wanted = args.shapes.split(",")
+    for shape in SHAPES:
+        if shape[0] in wanted:
+            bench_shape(lib, timer, *shape, copy_bw, mm_rate, rows)
+            torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate,
+                       reps=args.reps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
