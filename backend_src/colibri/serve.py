@@ -7,9 +7,12 @@ builds a throw-away run folder:
 
     RUN/backends/python/   the wheel's libtriton_python.so and utils, plus the stub for this Python
     RUN/models/<model>/    the repository's files, with config.pbtxt rewritten for --device / --dtype
+    RUN/python/            a virtual environment that sees what this interpreter sees
 
-The stub embeds libpython and takes its sys.prefix from the first `python3` on PATH, so putting this
-interpreter's folder first on PATH gives model.py the same site-packages (numpy<2, cffi, colibri).
+The stub embeds libpython in isolated mode (PYTHONPATH ignored) and takes its sys.prefix from the
+first `python3` on PATH. RUN/python's bin goes first on PATH, and a .pth file there adds this
+interpreter's PYTHONPATH entries, colibri's folder and site-packages, so model.py imports the same
+packages (numpy<2, cffi, colibri) as the launcher, from a venv, a --target folder or a checkout.
 """
 
 import argparse
@@ -17,6 +20,7 @@ import ctypes
 import os
 import re
 import signal
+import site
 import subprocess
 import sys
 import sysconfig
@@ -118,15 +122,27 @@ def ensure_weights(weights: Path | None, repository: Path) -> Path:
     return default.resolve()
 
 
-def server_environment(weights: Path) -> dict:
+def stub_python(run_dir: Path) -> Path:
+    """bin folder of a virtual environment whose sys.path matches this interpreter's (see above)."""
     import colibri
+    venv = run_dir / "python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths.append(str(Path(colibri.__file__).resolve().parents[1]))
+    site_dirs = site.getsitepackages() + [site.getusersitepackages()]
+    # addsitedir, not plain lines, so the .pth files of those folders (editable installs) count too.
+    (venv / "lib" / f"python{python_version()}" / "site-packages" / "colibri_serve.pth").write_text(
+        "".join(f"{os.path.abspath(p)}\n" for p in paths)
+        + f"import site; list(map(site.addsitedir, {site_dirs!r}))\n")
+    return venv / "bin"
+
+
+def server_environment(weights: Path, python_bin: Path) -> dict:
     env = dict(os.environ)
     libs = [str(find_tritonserver().parents[1] / "nvidia_pytriton.libs"),
             sysconfig.get_config_var("LIBDIR") or ""]
     env["LD_LIBRARY_PATH"] = os.pathsep.join(libs + [env.get("LD_LIBRARY_PATH", "")])
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    package_parent = str(Path(colibri.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join([package_parent, env.get("PYTHONPATH", "")])
+    env["PATH"] = os.pathsep.join([str(python_bin), env.get("PATH", "")])
     env["COLIBRI_WEIGHTS"] = str(weights)
     return env
 
@@ -187,7 +203,7 @@ def main(argv=None) -> int:
                 "--grpc-address", args.host, "--grpc-port", str(args.grpc_port),
                 "--metrics-address", args.host, "--metrics-port", str(args.metrics_port),
             ]
-            return run_server(command, server_environment(weights), args, weights)
+            return run_server(command, server_environment(weights, stub_python(run_dir)), args, weights)
     except ServeError as exc:
         print(f"colibri serve: {exc}", file=sys.stderr)
         return 2
