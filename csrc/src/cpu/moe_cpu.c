@@ -1,0 +1,580 @@
+/*
+ * moe_cpu.c — the CPU backend, in plain C99 + OpenMP. It doubles as the readable specification of the
+ * math every backend computes (the CUDA files follow the same steps):
+ *
+ *   1. dtype helpers     fp16 / bf16 <-> fp32; all arithmetic is fp32
+ *   2. projection        the one matmul: out[c, r] = dot(W[r, :], x[c, :]) with W in its stored dtype
+ *   3. routing           router logits -> built-in top-k (or the caller's routing_fn)
+ *   4. grouping          (token, slot) pairs sorted by expert with a counting sort
+ *   5. expert FFN        each touched expert runs once over all of its tokens
+ *   6. combine           output[t] = sum_j topk_weights[t, j] * y[t, j], j in slot order
+ *
+ * The expert weights are borrowed in place (often a memory-mapped checkpoint) and never copied.
+ * Everything a forward needs is allocated at init for cfg.workspace_tokens tokens; the front end splits
+ * longer forwards into chunks of that size.
+ *
+ * Parallelism: the expert FFN is cut into tasks (expert, block of ROW_BLOCK weight rows) that each run
+ * over all of the expert's tokens. At T = 1 that splits every touched expert's rows across the threads,
+ * so each weight byte is streamed once (decode is memory-bound); at large T each block of weight rows is
+ * converted to fp32 once and reused from cache by every token of the expert.
+ *
+ * Determinism: every output element is computed by one task in a fixed order of operations, whatever
+ * thread runs it, and the combine sums the slots in order, so results are bitwise identical run to run,
+ * for any thread count and any chunking.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#include "internal.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE inline
+#endif
+
+enum {
+    ROW_PAD = 16,       /* fp32 rows are padded with zeros to 64 bytes: aligned, whole vectors */
+    TILE_TOKENS = 4,    /* register tile: TILE_TOKENS x TILE_ROWS accumulators, see dot_tile */
+    TILE_ROWS = 4,
+    ROW_BLOCK = 16,     /* weight rows per task (a multiple of TILE_ROWS) */
+    K_CHUNK = 1024,      /* weight columns converted at once: ROW_BLOCK x K_CHUNK fp32 stays in L1 */
+    DEFAULT_WORKSPACE_TOKENS = 256
+};
+
+typedef struct {
+    int32_t expert;
+    int32_t row0;
+} task_t;
+
+typedef struct {
+    const void *weights;       /* borrowed packed expert weights, weight_dtype */
+    uint64_t *offsets;         /* [E] element offset of each expert (our copy) */
+    uint64_t *counts;          /* [E] (token, expert) assignments over all forwards */
+    int nthreads;
+    int64_t hp, fp;            /* H and F rounded up to ROW_PAD: row strides of x32 and hidden */
+
+    /* workspace, for W = workspace_tokens tokens and P = W * k pairs */
+    float *x32;                /* [W, hp] input in fp32, zero padding */
+    const float **token_rows;  /* [W] x32 + t * hp */
+    float *logits;             /* [W, E] router logits */
+    int32_t *ids;              /* [P] routing computed here */
+    float *weights_tk;         /* [P] */
+    int32_t *expert_start;     /* [E + 1] first sorted position of each expert */
+    int32_t *cursor;           /* [E] counting-sort scratch */
+    int32_t *pair_of;          /* [P] sorted position -> pair index t * k + j */
+    const float **x_rows;      /* [P] sorted position -> its token's fp32 input row */
+    const float **h_rows;      /* [P] sorted position -> its hidden row */
+    float *hidden;             /* [P, fp] silu(gate x) * up x (SWIGLU), zero padding */
+    float *y;                  /* [P, out_features] expert output of each pair, in pair order */
+    task_t *tasks;             /* [E * ceil(max(F, H) / ROW_BLOCK)] */
+    float *wbuf;               /* [nthreads, ROW_BLOCK * K_CHUNK] converted weight chunk */
+    float *tile;               /* [nthreads, P * 2 * ROW_BLOCK] task outputs before the epilogue */
+    float *route_scratch;      /* [nthreads, 2 * E + k] */
+} cpu_state_t;
+
+/* ---------------------------------------------------------------------------------------------------
+ * 1. dtype helpers
+ * ------------------------------------------------------------------------------------------------- */
+
+static inline float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* bf16 is the top half of an fp32. */
+static inline float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* keep NaN a (quiet) NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                                /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mantissa << 13)); /* inf, NaN */
+    if (exponent != 0) return bits_to_f32(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    /* zero or subnormal: mantissa * 2^-24 is exact in fp32 */
+    return bits_to_f32(sign | f32_to_bits((float)mantissa * 0x1p-24f));
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    const uint32_t u = f32_to_bits(f), a = u & 0x7fffffffu;
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    if (a > 0x7f800000u) return sign | 0x7e00u;      /* NaN */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;     /* rounds past 65504: inf */
+    if (a >= 0x38800000u) {                           /* normal fp16: rebias the exponent, round to even */
+        uint32_t r = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+        return (uint16_t)(sign | (r >> 13));
+    }
+    /* subnormal fp16: the value in units of 2^-24, rounded to nearest even (1024 becomes the smallest normal) */
+    return (uint16_t)(sign | (uint16_t)nearbyintf(bits_to_f32(a) * 0x1p24f));
+}
+
+/* dst[i] = src[offset + i] as fp32 for i < n. */
+static void load_f32(float *dst, const void *src, colibri_dtype_t dtype, uint64_t offset, int64_t n) {
+    int64_t i = 0;
+    switch (dtype) {
+    case COLIBRI_DTYPE_F32:
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+        return;
+    case COLIBRI_DTYPE_BF16: {
+        const uint16_t *s = (const uint16_t *)src + offset;
+        for (; i < n; i++) dst[i] = bf16_to_f32(s[i]);
+        return;
+    }
+    case COLIBRI_DTYPE_F16: {
+        const uint16_t *s = (const uint16_t *)src + offset;
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = f16_to_f32(s[i]);
+        return;
+    }
+    }
+}
+
+/* dst[offset + i] = src[i] rounded to dtype (nearest even) for i < n. */
+static void store_f32(void *dst, colibri_dtype_t dtype, uint64_t offset, const float *src, int64_t n) {
+    int64_t i = 0;
+    switch (dtype) {
+    case COLIBRI_DTYPE_F32:
+        memcpy((float *)dst + offset, src, (size_t)n * sizeof(float));
+        return;
+    case COLIBRI_DTYPE_BF16: {
+        uint16_t *d = (uint16_t *)dst + offset;
+        for (; i < n; i++) d[i] = f32_to_bf16(src[i]);
+        return;
+    }
+    case COLIBRI_DTYPE_F16: {
+        uint16_t *d = (uint16_t *)dst + offset;
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) d[i] = f32_to_f16(src[i]);
+        return;
+    }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 2. projection: the one matmul kernel
+ * ------------------------------------------------------------------------------------------------- */
+
+static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* A register tile: dot products of nt tokens (1..4) with 4 converted weight rows over len elements.
+ * `omp simd reduction` lets the compiler split each sum into vector lanes without -ffast-math; the
+ * lanes and their final combination are fixed at compile time and len is a multiple of ROW_PAD, so
+ * every tile shape adds in the same order. fmaf makes the FMA explicit (ISO C does not contract
+ * a * b + c). nt is a constant at every call site, so the unused accumulators vanish. Stores nr_store
+ * rows of the tile into out, adding to what is there when accumulate. */
+static ALWAYS_INLINE void dot_tile(const int nt, const float *const *x, int64_t x_off, const float *w, int64_t len,
+                                   float *out, int64_t ld, int nr_store, int accumulate) {
+    const float *w0 = w, *w1 = w + K_CHUNK, *w2 = w + 2 * K_CHUNK, *w3 = w + 3 * K_CHUNK;
+    const float *x0 = x[0] + x_off, *x1 = x[nt > 1] + x_off, *x2 = x[nt > 2 ? 2 : 0] + x_off,
+                *x3 = x[nt > 3 ? 3 : 0] + x_off;
+    float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
+    float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
+    for (int64_t i = 0; i < len; i++) {
+        a00 = fmaf(x0[i], w0[i], a00), a01 = fmaf(x0[i], w1[i], a01), a02 = fmaf(x0[i], w2[i], a02), a03 = fmaf(x0[i], w3[i], a03);
+        if (nt > 1)
+            a10 = fmaf(x1[i], w0[i], a10), a11 = fmaf(x1[i], w1[i], a11), a12 = fmaf(x1[i], w2[i], a12), a13 = fmaf(x1[i], w3[i], a13);
+        if (nt > 2)
+            a20 = fmaf(x2[i], w0[i], a20), a21 = fmaf(x2[i], w1[i], a21), a22 = fmaf(x2[i], w2[i], a22), a23 = fmaf(x2[i], w3[i], a23);
+        if (nt > 3)
+            a30 = fmaf(x3[i], w0[i], a30), a31 = fmaf(x3[i], w1[i], a31), a32 = fmaf(x3[i], w2[i], a32), a33 = fmaf(x3[i], w3[i], a33);
+    }
+    const float sums[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
+    for (int c = 0; c < nt; c++)
+        for (int r = 0; r < nr_store; r++) out[c * ld + r] = accumulate ? out[c * ld + r] + sums[c][r] : sums[c][r];
+}
+
+/* out[c * ld + r] = sum_i W[r, i] * x[c][i] for r < nrows <= ROW_BLOCK and c < n, where row r of W starts
+ * at element w_offset + r * in of the packed weights (stored dtype) and the x rows are fp32, zero-padded
+ * to a multiple of ROW_PAD. Each K_CHUNK-wide slice of the rows is converted to fp32 once into wbuf and
+ * reused by every token. */
+static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
+                    const float *const *x, int64_t n, float *out, int64_t ld, float *wbuf) {
+    for (int64_t i0 = 0; i0 < in; i0 += K_CHUNK) {
+        const int64_t len = min64(K_CHUNK, in - i0), padded = round_up(len, ROW_PAD);
+        for (int r = 0; r < nrows; r++) {
+            float *dst = wbuf + (int64_t)r * K_CHUNK;
+            load_f32(dst, w, wdtype, w_offset + (uint64_t)r * (uint64_t)in + (uint64_t)i0, len);
+            for (int64_t i = len; i < padded; i++) dst[i] = 0.0f; /* x is zero there too; keeps NaN weights out */
+        }
+        const int accumulate = i0 > 0;
+        for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
+            const int nt = (int)min64(TILE_TOKENS, n - c0);
+            for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) {
+                const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
+                const float *wr = wbuf + (int64_t)r0 * K_CHUNK;
+                float *o = out + c0 * ld + r0;
+                switch (nt) {
+                case 4: dot_tile(4, x + c0, i0, wr, padded, o, ld, nr, accumulate); break;
+                case 3: dot_tile(3, x + c0, i0, wr, padded, o, ld, nr, accumulate); break;
+                case 2: dot_tile(2, x + c0, i0, wr, padded, o, ld, nr, accumulate); break;
+                default: dot_tile(1, x + c0, i0, wr, padded, o, ld, nr, accumulate); break;
+                }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 3. routing
+ * ------------------------------------------------------------------------------------------------- */
+
+static void convert_input(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, colibri_dtype_t act_dtype,
+                          const void *input) {
+    const int64_t H = ctx->cfg.hidden_size;
+#pragma omp parallel for num_threads(s->nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) load_f32(s->x32 + t * s->hp, input, act_dtype, (uint64_t)(t * H), H);
+}
+
+/* logits[t, e] = router_weight[e, :] . x32[t, :] in fp32. */
+static void router_logits(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T) {
+    const int32_t E = ctx->cfg.num_experts;
+    const int64_t token_blocks = (T + TILE_TOKENS - 1) / TILE_TOKENS, row_blocks = (E + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for num_threads(s->nthreads) schedule(static)
+    for (int64_t b = 0; b < token_blocks * row_blocks; b++) {
+        const int64_t t0 = b / row_blocks * TILE_TOKENS, e0 = b % row_blocks * ROW_BLOCK;
+        project(ctx->router_weight, COLIBRI_DTYPE_F32, (uint64_t)(e0 * ctx->cfg.hidden_size), ctx->cfg.hidden_size,
+                (int)min64(ROW_BLOCK, E - e0), s->token_rows + t0, min64(TILE_TOKENS, T - t0),
+                s->logits + t0 * E + e0, E, s->wbuf + (int64_t)omp_get_thread_num() * ROW_BLOCK * K_CHUNK);
+    }
+}
+
+/* ids[0..k) = the k largest scores, in descending order, ties to the lower expert id (NaN counts as -inf
+ * so that k valid ids always come out). Insertion into the sorted prefix: k is small. */
+static void top_k(const float *score, int32_t E, int32_t k, int32_t *ids, float *chosen) {
+    int32_t n = 0;
+    for (int32_t e = 0; e < E; e++) {
+        const float v = isnan(score[e]) ? -INFINITY : score[e];
+        if (n == k && !(v > chosen[k - 1])) continue;
+        int32_t p = n < k ? n++ : k - 1;
+        for (; p > 0 && v > chosen[p - 1]; p--) {
+            chosen[p] = chosen[p - 1];
+            ids[p] = ids[p - 1];
+        }
+        chosen[p] = v;
+        ids[p] = e;
+    }
+}
+
+/* The built-in routings of colibri_routing_t for one token; scratch holds 2 * E + k floats. */
+static void route_token(const colibri_moe_config_t *cfg, const float *router_bias, const float *logits,
+                        float *scratch, int32_t *ids, float *weights) {
+    const int32_t E = cfg->num_experts, k = cfg->top_k;
+    float *prob = scratch, *select = scratch + E, *chosen = scratch + 2 * E;
+    switch (cfg->routing) {
+    case COLIBRI_ROUTING_SOFTMAX_TOPK: {
+        float max = logits[0], sum = 0.0f;
+        for (int32_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
+        for (int32_t e = 0; e < E; e++) sum += prob[e] = expf(logits[e] - max);
+        for (int32_t e = 0; e < E; e++) prob[e] /= sum;
+        top_k(prob, E, k, ids, chosen);
+        for (int32_t j = 0; j < k; j++) weights[j] = prob[ids[j]];
+        break;
+    }
+    case COLIBRI_ROUTING_TOPK_SOFTMAX: {
+        top_k(logits, E, k, ids, chosen);
+        float sum = 0.0f;
+        for (int32_t j = 0; j < k; j++) sum += weights[j] = expf(logits[ids[j]] - logits[ids[0]]);
+        for (int32_t j = 0; j < k; j++) weights[j] /= sum;
+        break;
+    }
+    case COLIBRI_ROUTING_SIGMOID_BIAS:
+        for (int32_t e = 0; e < E; e++) {
+            prob[e] = 1.0f / (1.0f + expf(-logits[e]));
+            select[e] = prob[e] + router_bias[e];
+        }
+        top_k(select, E, k, ids, chosen);
+        for (int32_t j = 0; j < k; j++) weights[j] = prob[ids[j]];
+        break;
+    }
+    /* a sum of zero only comes from sigmoids that underflowed; leave those weights at zero */
+    if (cfg->renormalize && cfg->routing != COLIBRI_ROUTING_TOPK_SOFTMAX) {
+        float sum = 0.0f;
+        for (int32_t j = 0; j < k; j++) sum += weights[j];
+        if (sum > 0.0f)
+            for (int32_t j = 0; j < k; j++) weights[j] /= sum;
+    }
+    for (int32_t j = 0; j < k; j++) weights[j] *= cfg->routed_scaling_factor;
+}
+
+/* Routing of T tokens into ids/weights ([T, k]): the caller's routing_fn, or the built-in routing from
+ * the router logits. Expects x32 to hold the input. */
+static colibri_status_t compute_routing(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T,
+                                        colibri_dtype_t act_dtype, const void *input, int32_t *ids, float *weights) {
+    const colibri_moe_config_t *cfg = &ctx->cfg;
+    if (ctx->router_weight) router_logits(ctx, s, T);
+    if (cfg->routing_fn) {
+        colibri_status_t st = cfg->routing_fn(cfg->routing_user_data, T, cfg->num_experts, cfg->top_k, act_dtype,
+                                              input, ctx->router_weight ? s->logits : NULL, ids, weights, NULL);
+        if (st != COLIBRI_OK)
+            return colibri_set_error(COLIBRI_ERR_ROUTING, "routing_fn failed with status %d (%s)", (int)st,
+                                     colibri_status_string(st));
+        if (colibri_check_routing(ctx, T, ids, weights, "routing_fn") != COLIBRI_OK) {
+            char why[512];
+            snprintf(why, sizeof why, "%s", colibri_last_error());
+            return colibri_set_error(COLIBRI_ERR_ROUTING, "%s", why);
+        }
+        return COLIBRI_OK;
+    }
+    const int32_t E = cfg->num_experts, k = cfg->top_k;
+#pragma omp parallel for num_threads(s->nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++)
+        route_token(cfg, ctx->router_bias, s->logits + t * E, s->route_scratch + (int64_t)omp_get_thread_num() * (2 * E + k),
+                    ids + t * k, weights + t * k);
+    return COLIBRI_OK;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 4. grouping: a stable counting sort of the T * k (token, slot) pairs by expert
+ * ------------------------------------------------------------------------------------------------- */
+
+static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const int32_t *ids) {
+    const int32_t E = ctx->cfg.num_experts, k = ctx->cfg.top_k;
+    const int64_t P = T * k;
+    memset(s->cursor, 0, (size_t)E * sizeof *s->cursor);
+    for (int64_t p = 0; p < P; p++) s->cursor[ids[p]]++;
+    s->expert_start[0] = 0;
+    for (int32_t e = 0; e < E; e++) {
+        s->expert_start[e + 1] = s->expert_start[e] + s->cursor[e];
+        s->counts[e] += (uint64_t)s->cursor[e];
+        s->cursor[e] = s->expert_start[e];
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int32_t pos = s->cursor[ids[p]]++;
+        s->pair_of[pos] = (int32_t)p;
+        s->x_rows[pos] = s->token_rows[p / k];
+    }
+}
+
+/* One task per (touched expert, block of ROW_BLOCK of its `rows` output rows); returns how many. */
+static int64_t make_tasks(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t rows) {
+    int64_t n = 0;
+    for (int32_t e = 0; e < ctx->cfg.num_experts; e++) {
+        if (s->expert_start[e + 1] == s->expert_start[e]) continue;
+        for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) s->tasks[n++] = (task_t){e, (int32_t)r0};
+    }
+    return n;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 5. expert FFN
+ * ------------------------------------------------------------------------------------------------- */
+
+/* SWIGLU, first half: hidden[pos, :] = silu(gate x) * up x for every sorted pair position. */
+static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
+    const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
+    const int64_t ntasks = make_tasks(ctx, s, F), ld = 2 * ROW_BLOCK;
+#pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; i++) {
+        const int tid = omp_get_thread_num();
+        const int32_t e = s->tasks[i].expert, start = s->expert_start[e], n = s->expert_start[e + 1] - start;
+        const int64_t row0 = s->tasks[i].row0;
+        const int nrows = (int)min64(ROW_BLOCK, F - row0);
+        const uint64_t gate = s->offsets[e] + (uint64_t)(row0 * H), up = gate + (uint64_t)(F * H);
+        float *tile = s->tile + tid * P * ld, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
+        project(s->weights, ctx->cfg.weight_dtype, gate, H, nrows, s->x_rows + start, n, tile, ld, wbuf);
+        project(s->weights, ctx->cfg.weight_dtype, up, H, nrows, s->x_rows + start, n, tile + ROW_BLOCK, ld, wbuf);
+        for (int32_t c = 0; c < n; c++) {
+            float *h = s->hidden + (start + c) * s->fp + row0;
+            const float *g = tile + c * ld, *u = g + ROW_BLOCK;
+            for (int r = 0; r < nrows; r++) h[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        }
+    }
+}
+
+/* y[pair, :] = W x for every pair, with W the out_features x in matrix that starts `skip` elements into
+ * each expert (SWIGLU: down over the hidden rows; LINEAR: w over the input rows). */
+static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint64_t skip, int64_t in,
+                         const float *const *inputs) {
+    const int64_t out = ctx->out_features, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
+    const int64_t ntasks = make_tasks(ctx, s, out);
+#pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; i++) {
+        const int tid = omp_get_thread_num();
+        const int32_t e = s->tasks[i].expert, start = s->expert_start[e], n = s->expert_start[e + 1] - start;
+        const int64_t row0 = s->tasks[i].row0;
+        const int nrows = (int)min64(ROW_BLOCK, out - row0);
+        float *tile = s->tile + tid * P * 2 * ROW_BLOCK, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
+        project(s->weights, ctx->cfg.weight_dtype, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows,
+                inputs + start, n, tile, ROW_BLOCK, wbuf);
+        for (int32_t c = 0; c < n; c++)
+            memcpy(s->y + s->pair_of[start + c] * out + row0, tile + c * ROW_BLOCK, (size_t)nrows * sizeof(float));
+    }
+}
+
+static void expert_ffn(const colibri_moe_context_t *ctx, cpu_state_t *s) {
+    const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
+    if (ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
+        swiglu_gate_up(ctx, s);
+        project_to_y(ctx, s, (uint64_t)(2 * F * H), F, s->h_rows);
+    } else {
+        project_to_y(ctx, s, 0, H, s->x_rows);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * 6. combine
+ * ------------------------------------------------------------------------------------------------- */
+
+/* output[t] = sum_j weights[t, j] * y[t, j], summed in slot order into y[t, 0]. */
+static void combine(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const float *weights,
+                    colibri_dtype_t act_dtype, void *output) {
+    const int64_t out = ctx->out_features, k = ctx->cfg.top_k;
+#pragma omp parallel for num_threads(s->nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *acc = s->y + t * k * out;
+        const float w0 = weights[t * k];
+        for (int64_t o = 0; o < out; o++) acc[o] *= w0;
+        for (int64_t j = 1; j < k; j++) {
+            const float wj = weights[t * k + j], *yj = acc + j * out;
+            for (int64_t o = 0; o < out; o++) acc[o] = fmaf(wj, yj[o], acc[o]);
+        }
+        store_f32(output, act_dtype, (uint64_t)(t * out), acc, out);
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * backend entry points
+ * ------------------------------------------------------------------------------------------------- */
+
+colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                     const void *input, const int32_t *topk_ids, const float *topk_weights,
+                                     void *output) {
+    cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    convert_input(ctx, s, num_tokens, act_dtype, input);
+    if (!topk_ids) {
+        colibri_status_t st = compute_routing(ctx, s, num_tokens, act_dtype, input, s->ids, s->weights_tk);
+        if (st != COLIBRI_OK) return st;
+        topk_ids = s->ids;
+        topk_weights = s->weights_tk;
+    }
+    group_by_expert(ctx, s, num_tokens, topk_ids);
+    expert_ffn(ctx, s);
+    combine(ctx, s, num_tokens, topk_weights, act_dtype, output);
+    return COLIBRI_OK;
+}
+
+colibri_status_t colibri_cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                   const void *input, int32_t *topk_ids, float *topk_weights) {
+    cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    convert_input(ctx, s, num_tokens, act_dtype, input);
+    return compute_routing(ctx, s, num_tokens, act_dtype, input, topk_ids, topk_weights);
+}
+
+colibri_status_t colibri_cpu_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset) {
+    cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    memcpy(counts, s->counts, (size_t)ctx->cfg.num_experts * sizeof *counts);
+    if (reset) memset(s->counts, 0, (size_t)ctx->cfg.num_experts * sizeof *s->counts);
+    return COLIBRI_OK;
+}
+
+void colibri_cpu_destroy(colibri_moe_context_t *ctx) {
+    cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    if (!s) return;
+    free(s->offsets);
+    free(s->counts);
+    free(s->x32);
+    free(s->token_rows);
+    free(s->logits);
+    free(s->ids);
+    free(s->weights_tk);
+    free(s->expert_start);
+    free(s->cursor);
+    free(s->pair_of);
+    free(s->x_rows);
+    free(s->h_rows);
+    free(s->hidden);
+    free(s->y);
+    free(s->tasks);
+    free(s->wbuf);
+    free(s->tile);
+    free(s->route_scratch);
+    free(s);
+    ctx->backend = NULL;
+}
+
+/* a * b zeroed elements of `size` bytes, 64-byte aligned (fp32 rows then start on a vector boundary);
+ * NULL, with *failed set, on overflow or when out of memory. Zeroed so that row padding reads as 0. */
+static void *alloc_zeroed(int64_t a, int64_t b, size_t size, int *failed) {
+    if (*failed) return NULL;
+    void *p = NULL;
+    const size_t n = a > 0 && b > 0 ? (size_t)a * (size_t)b : 1;
+    if (a >= 0 && b >= 0 && (b == 0 || (uint64_t)a <= (uint64_t)SIZE_MAX / size / (uint64_t)b) &&
+        posix_memalign(&p, 64, n * size) == 0)
+        memset(p, 0, n * size);
+    else
+        p = NULL, *failed = 1;
+    return p;
+}
+
+colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert_weights,
+                                  const uint64_t *expert_offsets) {
+    colibri_moe_config_t *cfg = &ctx->cfg;
+    cpu_state_t *s = (cpu_state_t *)calloc(1, sizeof *s);
+    if (!s) return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the CPU backend state");
+    ctx->backend = s;
+    if (cfg->workspace_tokens == 0) cfg->workspace_tokens = DEFAULT_WORKSPACE_TOKENS;
+    s->weights = expert_weights;
+    s->nthreads = cfg->num_threads > 0 ? cfg->num_threads : omp_get_max_threads();
+    s->hp = round_up(cfg->hidden_size, ROW_PAD);
+    s->fp = round_up(cfg->intermediate_size, ROW_PAD);
+
+    const int64_t E = cfg->num_experts, k = cfg->top_k, W = cfg->workspace_tokens, P = W * k;
+    const int64_t H = cfg->hidden_size, F = cfg->intermediate_size, max_rows = H > F ? H : F;
+    const int swiglu = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    int failed = 0;
+    s->offsets = alloc_zeroed(E, 1, sizeof *s->offsets, &failed);
+    s->counts = alloc_zeroed(E, 1, sizeof *s->counts, &failed);
+    s->x32 = alloc_zeroed(W, s->hp, sizeof(float), &failed);
+    s->token_rows = alloc_zeroed(W, 1, sizeof *s->token_rows, &failed);
+    s->logits = alloc_zeroed(W, E, sizeof(float), &failed);
+    s->ids = alloc_zeroed(P, 1, sizeof *s->ids, &failed);
+    s->weights_tk = alloc_zeroed(P, 1, sizeof(float), &failed);
+    s->expert_start = alloc_zeroed(E + 1, 1, sizeof *s->expert_start, &failed);
+    s->cursor = alloc_zeroed(E, 1, sizeof *s->cursor, &failed);
+    s->pair_of = alloc_zeroed(P, 1, sizeof *s->pair_of, &failed);
+    s->x_rows = alloc_zeroed(P, 1, sizeof *s->x_rows, &failed);
+    s->h_rows = alloc_zeroed(P, 1, sizeof *s->h_rows, &failed);
+    s->hidden = alloc_zeroed(swiglu ? P : 1, s->fp, sizeof(float), &failed);
+    s->y = alloc_zeroed(P, ctx->out_features, sizeof(float), &failed);
+    s->tasks = alloc_zeroed(E, (max_rows + ROW_BLOCK - 1) / ROW_BLOCK, sizeof *s->tasks, &failed);
+    s->wbuf = alloc_zeroed(s->nthreads, ROW_BLOCK * K_CHUNK, sizeof(float), &failed);
+    s->tile = alloc_zeroed((int64_t)s->nthreads * P, 2 * ROW_BLOCK, sizeof(float), &failed);
+    s->route_scratch = alloc_zeroed(s->nthreads, 2 * E + k, sizeof(float), &failed);
+    if (failed || P > INT32_MAX) {
+        colibri_cpu_destroy(ctx);
+        return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY,
+                                 "cannot allocate the CPU workspace for %lld tokens (H=%lld, F=%lld, k=%lld); "
+                                 "lower config.workspace_tokens",
+                                 (long long)W, (long long)H, (long long)F, (long long)k);
+    }
+    memcpy(s->offsets, expert_offsets, (size_t)E * sizeof *s->offsets);
+    for (int64_t t = 0; t < W; t++) s->token_rows[t] = s->x32 + t * s->hp;
+    for (int64_t p = 0; p < P && swiglu; p++) s->h_rows[p] = s->hidden + p * s->fp;
+    return COLIBRI_OK;
+}

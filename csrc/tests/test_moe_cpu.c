@@ -1,0 +1,978 @@
+/*
+ * test_moe_cpu.c — the CPU backend against a float64 reference written here, independently of the
+ * library: every routing (given ids, the three built-in routings with renormalize on and off and a
+ * scaling factor != 1, a custom routing_fn with and without router logits) x expert kind x weight
+ * dtype x activation dtype, at T = 0, 1, 7, 64, 513, on fresh random inputs and outputs poisoned
+ * with NaN before each call. Then dtype conversions exhaustively, chunking, determinism, expert
+ * counters and every kind of bad input.
+ *
+ * Usage: test_moe_cpu [seed]   (default: from the clock; printed so that a failure reproduces)
+ * A failing check prints what failed; the test exits non-zero if any check failed.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "colibri.h"
+
+/* ------------------------------------------------------------------------------------------------
+ * checks and random numbers
+ * ---------------------------------------------------------------------------------------------- */
+
+static int failures, checks;
+
+#define CHECK(cond, ...)                                                                                   \
+    do {                                                                                                   \
+        checks++;                                                                                          \
+        if (!(cond)) {                                                                                     \
+            failures++;                                                                                    \
+            printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);                                         \
+            printf(__VA_ARGS__);                                                                           \
+            printf("\n");                                                                                  \
+        }                                                                                                  \
+    } while (0)
+
+#define CHECK_STATUS(call, want)                                                                           \
+    do {                                                                                                   \
+        colibri_status_t st_ = (call);                                                                     \
+        CHECK(st_ == (want), "%s returned %s (want %s): %s", #call, colibri_status_string(st_),            \
+              colibri_status_string(want), colibri_last_error());                                          \
+    } while (0)
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void) { /* xorshift64* */
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545f4914f6cdd1dull;
+}
+
+static double uniform(double lo, double hi) { return lo + (hi - lo) * (double)(rng_next() >> 11) * 0x1p-53; }
+static int32_t randint(int32_t lo, int32_t hi) { return lo + (int32_t)(rng_next() % (uint64_t)(hi - lo + 1)); }
+
+/* ------------------------------------------------------------------------------------------------
+ * dtypes, decoded exactly into doubles (written here, independently of the library)
+ * ---------------------------------------------------------------------------------------------- */
+
+static const colibri_dtype_t DTYPES[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
+static const char *dtype_name(colibri_dtype_t d) { return d == COLIBRI_DTYPE_F32 ? "fp32" : d == COLIBRI_DTYPE_F16 ? "fp16" : "bf16"; }
+
+static double half_to_double(uint16_t h) {
+    const int exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    const double sign = (h & 0x8000) ? -1.0 : 1.0;
+    if (exponent == 0x1f) return mantissa ? NAN : sign * INFINITY;
+    if (exponent == 0) return sign * ldexp(mantissa, -24);
+    return sign * ldexp(mantissa + 1024, exponent - 25);
+}
+
+static double bf16_to_double(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static double decode(const void *p, colibri_dtype_t d, size_t i) {
+    if (d == COLIBRI_DTYPE_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return d == COLIBRI_DTYPE_F16 ? half_to_double(h) : bf16_to_double(h);
+}
+
+/* Stores v (|v| well inside the dtype's range) by truncation: the test only needs representable values,
+ * which it then decodes exactly for the reference. */
+static void encode_trunc(void *p, colibri_dtype_t d, size_t i, double v) {
+    float f = (float)v;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (d == COLIBRI_DTYPE_F32) {
+        ((float *)p)[i] = f;
+    } else if (d == COLIBRI_DTYPE_BF16) {
+        ((uint16_t *)p)[i] = (uint16_t)(u >> 16);
+    } else {
+        const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+        const double a = fabs((double)f);
+        if (a >= 0x1p-14) ((uint16_t *)p)[i] = (uint16_t)(sign | ((((u >> 23) & 0xff) - 112) << 10) | ((u >> 13) & 0x3ff));
+        else ((uint16_t *)p)[i] = (uint16_t)(sign | (uint16_t)(a * 0x1p24)); /* subnormal, truncated */
+    }
+}
+
+static void poison(void *p, colibri_dtype_t d, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        if (d == COLIBRI_DTYPE_F32) ((float *)p)[i] = NAN;
+        else ((uint16_t *)p)[i] = d == COLIBRI_DTYPE_F16 ? 0x7e00 : 0x7fc0;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * a layer: config + weights, and its float64 reference
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    colibri_moe_config_t cfg;
+    void *weights;       /* packed, cfg.weight_dtype, with a gap between experts */
+    uint64_t *offsets;   /* [E] */
+    uint64_t numel;
+    double *wd;          /* [E, expert_numel] decoded weights */
+    float *router;       /* [E, H] or NULL */
+    float *bias;         /* [E] or NULL */
+    int out;             /* output width */
+} layer_t;
+
+static void layer_free(layer_t *L) {
+    free(L->weights);
+    free(L->offsets);
+    free(L->wd);
+    free(L->router);
+    free(L->bias);
+    memset(L, 0, sizeof *L);
+}
+
+/* Random weights of scale 1/sqrt(fan-in) so that every stage stays O(1); experts packed in reverse
+ * order with a gap, so that offsets are really used. */
+static void layer_make(layer_t *L, colibri_expert_kind_t kind, colibri_dtype_t wdtype, int E, int k, int H, int F,
+                       int with_router, int with_bias) {
+    memset(L, 0, sizeof *L);
+    colibri_moe_config_t *c = &L->cfg;
+    c->expert_kind = kind;
+    c->weight_dtype = wdtype;
+    c->num_experts = E;
+    c->top_k = k;
+    c->hidden_size = H;
+    c->intermediate_size = F;
+    c->routed_scaling_factor = 1.0f;
+    c->device = COLIBRI_DEVICE_CPU;
+    L->out = kind == COLIBRI_EXPERT_SWIGLU ? H : F;
+    const uint64_t n = colibri_expert_numel(kind, H, F), gap = 3;
+    L->numel = (uint64_t)E * (n + gap);
+    L->weights = malloc(L->numel * colibri_dtype_size(wdtype));
+    L->offsets = malloc((size_t)E * sizeof *L->offsets);
+    L->wd = malloc((size_t)E * n * sizeof *L->wd);
+    for (uint64_t i = 0; i < L->numel; i++) encode_trunc(L->weights, wdtype, i, NAN); /* gaps must never be read */
+    for (int e = 0; e < E; e++) {
+        L->offsets[e] = (uint64_t)(E - 1 - e) * (n + gap) + gap;
+        for (uint64_t i = 0; i < n; i++) {
+            const int fan_in = kind == COLIBRI_EXPERT_SWIGLU && i >= 2ull * H * F ? F : H;
+            encode_trunc(L->weights, wdtype, L->offsets[e] + i, uniform(-1, 1) * sqrt(3.0 / fan_in));
+            L->wd[e * n + i] = decode(L->weights, wdtype, L->offsets[e] + i);
+        }
+    }
+    if (with_router) {
+        L->router = malloc((size_t)E * H * sizeof(float));
+        for (int i = 0; i < E * H; i++) L->router[i] = (float)(uniform(-1, 1) * sqrt(3.0 / H) * 2.0);
+    }
+    if (with_bias) {
+        L->bias = malloc((size_t)E * sizeof(float));
+        for (int e = 0; e < E; e++) L->bias[e] = (float)uniform(-0.3, 0.3);
+    }
+    /* the last expert routes exactly like the first, so every token has an exact tie to break (lower id first) */
+    if (with_router && E >= 3) {
+        memcpy(L->router + (size_t)(E - 1) * H, L->router, (size_t)H * sizeof(float));
+        if (with_bias) L->bias[E - 1] = L->bias[0];
+    }
+}
+
+static colibri_status_t layer_init(const layer_t *L, colibri_moe_context_t **ctx) {
+    return colibri_moe_context_init(ctx, &L->cfg, L->weights, L->offsets, L->numel, L->router, L->bias);
+}
+
+/* y = expert e applied to x (doubles), width L->out. */
+static void ref_expert(const layer_t *L, int e, const double *x, double *y, double *h) {
+    const int H = L->cfg.hidden_size, F = L->cfg.intermediate_size;
+    const double *w = L->wd + (size_t)e * colibri_expert_numel(L->cfg.expert_kind, H, F);
+    if (L->cfg.expert_kind == COLIBRI_EXPERT_LINEAR) {
+        for (int f = 0; f < F; f++) {
+            double s = 0;
+            for (int i = 0; i < H; i++) s += w[(size_t)f * H + i] * x[i];
+            y[f] = s;
+        }
+        return;
+    }
+    const double *gate = w, *up = w + (size_t)F * H, *down = w + 2 * (size_t)F * H;
+    for (int f = 0; f < F; f++) {
+        double g = 0, u = 0;
+        for (int i = 0; i < H; i++) {
+            g += gate[(size_t)f * H + i] * x[i];
+            u += up[(size_t)f * H + i] * x[i];
+        }
+        h[f] = g / (1.0 + exp(-g)) * u;
+    }
+    for (int o = 0; o < H; o++) {
+        double s = 0;
+        for (int f = 0; f < F; f++) s += down[(size_t)o * F + f] * h[f];
+        y[o] = s;
+    }
+}
+
+/* out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) for the tokens with use[t] (all if use is NULL). */
+static void ref_forward(const layer_t *L, int T, const double *x, const int32_t *ids, const double *w, const int *use,
+                        double *out) {
+    const int H = L->cfg.hidden_size, k = L->cfg.top_k, O = L->out;
+    double *y = malloc((size_t)O * sizeof *y), *h = malloc((size_t)L->cfg.intermediate_size * sizeof *h);
+    for (int t = 0; t < T; t++) {
+        for (int o = 0; o < O; o++) out[(size_t)t * O + o] = 0;
+        if (use && !use[t]) continue;
+        for (int j = 0; j < k; j++) {
+            ref_expert(L, ids[t * k + j], x + (size_t)t * H, y, h);
+            for (int o = 0; o < O; o++) out[(size_t)t * O + o] += w[t * k + j] * y[o];
+        }
+    }
+    free(y);
+    free(h);
+}
+
+/* Reference routing in doubles. score gets the selection score of every expert (for near-tie checks). */
+static void ref_route(const layer_t *L, const double *x, int32_t *ids, double *w, double *score) {
+    const colibri_moe_config_t *c = &L->cfg;
+    const int E = c->num_experts, k = c->top_k, H = c->hidden_size;
+    double logit[64], prob[64];
+    for (int e = 0; e < E; e++) {
+        double s = 0;
+        for (int i = 0; i < H; i++) s += (double)L->router[(size_t)e * H + i] * x[i];
+        logit[e] = s;
+    }
+    double max = logit[0], sum = 0;
+    for (int e = 1; e < E; e++) max = fmax(max, logit[e]);
+    for (int e = 0; e < E; e++) {
+        switch (c->routing) {
+        case COLIBRI_ROUTING_SOFTMAX_TOPK: sum += prob[e] = exp(logit[e] - max); break;
+        case COLIBRI_ROUTING_TOPK_SOFTMAX: score[e] = logit[e]; break;
+        case COLIBRI_ROUTING_SIGMOID_BIAS:
+            prob[e] = 1.0 / (1.0 + exp(-logit[e]));
+            score[e] = prob[e] + L->bias[e];
+            break;
+        }
+    }
+    if (c->routing == COLIBRI_ROUTING_SOFTMAX_TOPK)
+        for (int e = 0; e < E; e++) score[e] = prob[e] /= sum;
+    int taken[64] = {0};
+    for (int j = 0; j < k; j++) { /* selection sort: the largest remaining, ties to the lower id */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || score[e] > score[best])) best = e;
+        taken[best] = 1;
+        ids[j] = best;
+    }
+    double wsum = 0;
+    for (int j = 0; j < k; j++) {
+        w[j] = c->routing == COLIBRI_ROUTING_TOPK_SOFTMAX ? exp(logit[ids[j]] - logit[ids[0]]) : prob[ids[j]];
+        wsum += w[j];
+    }
+    const int renorm = c->routing == COLIBRI_ROUTING_TOPK_SOFTMAX || c->renormalize;
+    for (int j = 0; j < k; j++) w[j] = (renorm ? w[j] / wsum : w[j]) * c->routed_scaling_factor;
+}
+
+/* A token's routing is unambiguous when every adjacent pair of its top k + 1 reference scores differs
+ * by more than what fp32 logits can move them (about 1e-6 here), or not at all: an exact tie comes
+ * from identical router rows, which give identical fp32 scores too, and must go to the lower id. */
+static int clear_routing(const layer_t *L, const int32_t *ids, const double *score) {
+    const int E = L->cfg.num_experts, k = L->cfg.top_k;
+    double smax = 0;
+    for (int e = 0; e < E; e++) smax = fmax(smax, fabs(score[e]));
+    const double eps = 1e-4 * (smax + 1e-3);
+    for (int j = 0; j + 1 < k; j++)
+        if (score[ids[j]] != score[ids[j + 1]] && score[ids[j]] - score[ids[j + 1]] <= eps) return 0;
+    if (k < E)
+        for (int e = 0; e < E; e++) {
+            int chosen = 0;
+            for (int j = 0; j < k; j++) chosen |= ids[j] == e;
+            if (!chosen && score[ids[k - 1]] != score[e] && score[ids[k - 1]] - score[e] <= eps) return 0;
+        }
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * comparing outputs
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Limits on max|out - ref| / max|ref|. The reference is exact for the dtypes the layer stores (inputs
+ * and weights are decoded exactly), so what remains is (a) fp32 arithmetic: sums of a few hundred terms
+ * whose relative rounding is ~sqrt(n) * 6e-8 ~ 1e-6, times a cancellation factor of a few, and (b) the
+ * rounding of the output to the activation dtype: 2^-24 (fp32), 2^-11 = 4.9e-4 (fp16), 2^-8 = 3.9e-3
+ * (bf16) of each element, which is at most that of max|ref|. Each limit is (a) + (b) with a margin of
+ * 2-4x, tight enough that a wrong weight, slot or row shows up. */
+static double error_limit(colibri_dtype_t act) {
+    return act == COLIBRI_DTYPE_F32 ? 1e-5 : act == COLIBRI_DTYPE_F16 ? 2e-3 : 1e-2;
+}
+
+/* Normalised max error over the rows with use[t] (all if NULL); INFINITY if any such output is not
+ * finite (NaN from the poison or from the library never passes). */
+static double max_error(const void *out, colibri_dtype_t act, const double *ref, int T, int O, const int *use) {
+    double scale = 0, err = 0;
+    for (int t = 0; t < T; t++)
+        for (int o = 0; use && !use[t] ? 0 : o < O; o++) scale = fmax(scale, fabs(ref[(size_t)t * O + o]));
+    for (int t = 0; t < T; t++) {
+        if (use && !use[t]) continue;
+        for (int o = 0; o < O; o++) {
+            const double v = decode(out, act, (size_t)t * O + o);
+            if (!isfinite(v)) return INFINITY;
+            err = fmax(err, fabs(v - ref[(size_t)t * O + o]));
+        }
+    }
+    return scale > 0 ? err / scale : err;
+}
+
+static int all_finite(const void *out, colibri_dtype_t act, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(decode(out, act, i))) return 0;
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * a custom routing function: ids from a hash of each token's first element, records its arguments
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int E, k;
+    colibri_dtype_t act;
+    int misbehave;        /* 0: good, 1: id out of range, 2: NaN weight, 3: returns an error */
+    int calls, bad_args;  /* calls made, calls whose arguments were not what the context says */
+    int tokens_seen;
+    float *logits_seen;   /* [tokens, E] copy of the logits it was given */
+    int logits_null;      /* calls that got NULL logits */
+} custom_router_t;
+
+static uint32_t token_hash(const void *hidden, colibri_dtype_t act, int H, int64_t t) {
+    const size_t sz = colibri_dtype_size(act);
+    const unsigned char *p = (const unsigned char *)hidden + (size_t)t * H * sz;
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < sz; i++) h = (h ^ p[i]) * 16777619u;
+    return h;
+}
+
+static int custom_hidden_size; /* H of the layer under test, for token_hash */
+
+static void custom_ids(const void *hidden, colibri_dtype_t act, int64_t t, int E, int k, int32_t *ids, float *w) {
+    const uint32_t base = token_hash(hidden, act, custom_hidden_size, t);
+    for (int j = 0; j < k; j++) {
+        ids[j] = (int32_t)((base + 7u * (uint32_t)j) % (uint32_t)E); /* may repeat an expert: allowed */
+        w[j] = 1.0f / (float)(j + 2) - 0.2f;
+    }
+}
+
+static colibri_status_t custom_route(void *user, int64_t T, int32_t E, int32_t k, colibri_dtype_t act,
+                                     const void *hidden, const float *logits, int32_t *ids, float *w, void *stream) {
+    custom_router_t *r = (custom_router_t *)user;
+    r->calls++;
+    if (E != r->E || k != r->k || act != r->act || stream != NULL || !hidden || !ids || !w || T < 1) r->bad_args++;
+    if (!logits) r->logits_null++;
+    else if (r->logits_seen) memcpy(r->logits_seen + (size_t)r->tokens_seen * E, logits, (size_t)T * E * sizeof(float));
+    r->tokens_seen += (int)T;
+    if (r->misbehave == 3) return COLIBRI_ERR_INTERNAL;
+    for (int64_t t = 0; t < T; t++) custom_ids(hidden, act, t, E, k, ids + t * k, w + t * k);
+    if (r->misbehave == 1) ids[(T - 1) * k] = E;
+    if (r->misbehave == 2) w[0] = NAN;
+    return COLIBRI_OK;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * the main matrix: routing x kind x weight dtype x act dtype x T
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef enum { GIVEN_IDS, BUILTIN, CUSTOM_WITH_ROUTER, CUSTOM_WITHOUT_ROUTER } routing_source_t;
+
+typedef struct {
+    const char *name;
+    routing_source_t source;
+    colibri_routing_t routing;
+    int renormalize;
+    float scaling;
+} routing_case_t;
+
+static const routing_case_t ROUTING_CASES[] = {
+    {"given ids", GIVEN_IDS, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
+    {"softmax_topk", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
+    {"softmax_topk renorm", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 1.0f},
+    {"topk_softmax scaled", BUILTIN, COLIBRI_ROUTING_TOPK_SOFTMAX, 1, 1.5f},
+    {"sigmoid_bias renorm scaled", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 1, 2.5f},
+    {"sigmoid_bias", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 0, 1.0f},
+    {"custom fn + router", CUSTOM_WITH_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
+    {"custom fn, no router", CUSTOM_WITHOUT_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
+};
+enum { NUM_ROUTING_CASES = sizeof ROUTING_CASES / sizeof ROUTING_CASES[0] };
+static const int TOKEN_COUNTS[] = {0, 1, 7, 64, 513};
+enum { MAX_T = 513 };
+
+static void random_input(void *x, double *xd, colibri_dtype_t act, int T, int H) {
+    for (size_t i = 0; i < (size_t)T * H; i++) {
+        encode_trunc(x, act, i, uniform(-1, 1));
+        xd[i] = decode(x, act, i);
+    }
+}
+
+typedef struct {
+    double worst[3]; /* per act dtype */
+    int tokens_compared, tokens_near_tie;
+} matrix_stats_t;
+
+static void run_case(const layer_t *L, colibri_moe_context_t *ctx, const routing_case_t *rc, custom_router_t *cr,
+                     colibri_dtype_t act, int T, matrix_stats_t *stats, const char *label) {
+    const int H = L->cfg.hidden_size, E = L->cfg.num_experts, k = L->cfg.top_k, O = L->out;
+    const size_t asz = colibri_dtype_size(act);
+    void *x = malloc((size_t)(T ? T : 1) * H * asz), *out = malloc((size_t)(T ? T : 1) * O * asz),
+         *out2 = malloc((size_t)(T ? T : 1) * O * asz);
+    double *xd = malloc((size_t)(T ? T : 1) * H * sizeof *xd), *ref = malloc((size_t)(T ? T : 1) * O * sizeof *ref);
+    int32_t *ids = malloc((size_t)(T ? T : 1) * k * sizeof *ids), *ref_ids = malloc((size_t)(T ? T : 1) * k * sizeof *ref_ids);
+    float *w = malloc((size_t)(T ? T : 1) * k * sizeof *w);
+    double *wd = malloc((size_t)(T ? T : 1) * k * sizeof *wd), *ref_w = malloc((size_t)(T ? T : 1) * k * sizeof *ref_w);
+    double score[64];
+    int *clear = malloc((size_t)(T ? T : 1) * sizeof *clear);
+    random_input(x, xd, act, T, H);
+    const double limit = error_limit(act);
+    double err;
+    int a = act == COLIBRI_DTYPE_F32 ? 0 : act == COLIBRI_DTYPE_F16 ? 1 : 2;
+
+    if (T == 0) { /* valid and does nothing: the poison stays */
+        poison(out, act, (size_t)O);
+        CHECK_STATUS(colibri_moe_forward(ctx, 0, act, x, NULL, NULL, out, NULL), COLIBRI_OK);
+        CHECK(isnan(decode(out, act, 0)), "%s T=0 wrote the output", label);
+        goto done;
+    }
+
+    switch (rc->source) {
+    case GIVEN_IDS:
+        for (int i = 0; i < T * k; i++) {
+            ids[i] = randint(0, E - 1); /* repeats within a token are allowed */
+            w[i] = (float)uniform(-1, 1);
+            wd[i] = w[i];
+        }
+        poison(out, act, (size_t)T * O);
+        CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, ids, w, out, NULL), COLIBRI_OK);
+        ref_forward(L, T, xd, ids, wd, NULL, ref);
+        err = max_error(out, act, ref, T, O, NULL);
+        CHECK(err <= limit, "%s: error %.3g > %.3g", label, err, limit);
+        stats->worst[a] = fmax(stats->worst[a], err);
+        break;
+
+    case BUILTIN: {
+        /* 1. colibri_moe_route against the reference routing, on tokens without near-ties */
+        for (int i = 0; i < T * k; i++) ids[i] = -1, w[i] = NAN;
+        CHECK_STATUS(colibri_moe_route(ctx, T, act, x, ids, w, NULL), COLIBRI_OK);
+        int mismatched = 0;
+        double wmax = 0, werr = 0;
+        for (int t = 0; t < T; t++) {
+            ref_route(L, xd + (size_t)t * H, ref_ids + t * k, ref_w + t * k, score);
+            clear[t] = clear_routing(L, ref_ids + t * k, score);
+            stats->tokens_compared++;
+            if (!clear[t]) {
+                stats->tokens_near_tie++;
+                continue;
+            }
+            for (int j = 0; j < k; j++) {
+                mismatched += ids[t * k + j] != ref_ids[t * k + j];
+                wmax = fmax(wmax, fabs(ref_w[t * k + j]));
+                werr = fmax(werr, isfinite(w[t * k + j]) ? fabs(w[t * k + j] - ref_w[t * k + j]) : INFINITY);
+            }
+        }
+        CHECK(mismatched == 0, "%s: %d routed ids differ from the reference", label, mismatched);
+        CHECK(werr <= 1e-5 * wmax, "%s: routing weights off by %.3g (scale %.3g)", label, werr, wmax);
+        /* 2. forward with those ids given */
+        for (int i = 0; i < T * k; i++) wd[i] = w[i];
+        int ids_ok = 1;
+        for (int i = 0; i < T * k; i++) ids_ok &= ids[i] >= 0 && ids[i] < E;
+        CHECK(ids_ok, "%s: route returned ids out of range", label);
+        if (!ids_ok) goto done;
+        poison(out, act, (size_t)T * O);
+        CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, ids, w, out, NULL), COLIBRI_OK);
+        ref_forward(L, T, xd, ids, wd, NULL, ref);
+        err = max_error(out, act, ref, T, O, NULL);
+        CHECK(err <= limit, "%s (routed ids given): error %.3g > %.3g", label, err, limit);
+        stats->worst[a] = fmax(stats->worst[a], err);
+        /* 3. the full forward, router inside: the same routing, so bitwise the same output; and against
+         *    the reference routing where it is unambiguous */
+        poison(out2, act, (size_t)T * O);
+        CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, NULL, NULL, out2, NULL), COLIBRI_OK);
+        CHECK(memcmp(out, out2, (size_t)T * O * asz) == 0, "%s: forward with its own routing differs from forward "
+                                                           "with colibri_moe_route's ids", label);
+        ref_forward(L, T, xd, ref_ids, ref_w, clear, ref);
+        err = max_error(out2, act, ref, T, O, clear);
+        CHECK(err <= limit && all_finite(out2, act, (size_t)T * O), "%s (router inside): error %.3g > %.3g", label, err, limit);
+        stats->worst[a] = fmax(stats->worst[a], err);
+        break;
+    }
+
+    case CUSTOM_WITH_ROUTER:
+    case CUSTOM_WITHOUT_ROUTER: {
+        cr->act = act;
+        cr->calls = cr->bad_args = cr->tokens_seen = cr->logits_null = 0;
+        poison(out, act, (size_t)T * O);
+        CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, NULL, NULL, out, NULL), COLIBRI_OK);
+        const int chunks = (T + L->cfg.workspace_tokens - 1) / L->cfg.workspace_tokens;
+        CHECK(cr->calls == chunks && cr->bad_args == 0 && cr->tokens_seen == T,
+              "%s: routing_fn called %d times over %d tokens, %d with wrong arguments", label, cr->calls,
+              cr->tokens_seen, cr->bad_args);
+        if (rc->source == CUSTOM_WITHOUT_ROUTER) {
+            CHECK(cr->logits_null == cr->calls, "%s: routing_fn got logits without a router", label);
+        } else {
+            CHECK(cr->logits_null == 0, "%s: routing_fn got NULL logits with a router", label);
+            double lerr = 0, lmax = 0;
+            for (int t = 0; t < T; t++)
+                for (int e = 0; e < E; e++) {
+                    double s = 0;
+                    for (int i = 0; i < H; i++) s += (double)L->router[(size_t)e * H + i] * xd[(size_t)t * H + i];
+                    lmax = fmax(lmax, fabs(s));
+                    lerr = fmax(lerr, fabs(s - cr->logits_seen[(size_t)t * E + e]));
+                }
+            CHECK(lerr <= 1e-5 * lmax, "%s: router logits off by %.3g (scale %.3g)", label, lerr, lmax);
+        }
+        for (int t = 0; t < T; t++) custom_ids(x, act, t, E, k, ids + t * k, w + t * k);
+        for (int i = 0; i < T * k; i++) wd[i] = w[i];
+        ref_forward(L, T, xd, ids, wd, NULL, ref);
+        err = max_error(out, act, ref, T, O, NULL);
+        CHECK(err <= limit, "%s: error %.3g > %.3g", label, err, limit);
+        stats->worst[a] = fmax(stats->worst[a], err);
+        break;
+    }
+    }
+done:
+    free(x), free(out), free(out2), free(xd), free(ref), free(ids), free(ref_ids), free(w), free(wd), free(ref_w);
+    free(clear);
+}
+
+/* Shapes small enough for the float64 reference at T = 513, yet with H and F not multiples of the
+ * vector width, and E from 1 to 16. */
+static void random_shape(int *E, int *k, int *H, int *F, int k_equals_E) {
+    do {
+        *E = randint(1, 16);
+        *k = k_equals_E ? *E : randint(1, *E < 8 ? *E : 8);
+        *H = randint(64, 256);
+        *F = randint(32, 384);
+    } while ((double)*k * *H * *F > (k_equals_E ? 2e5 : 8e4));
+}
+
+static void test_matrix(void) {
+    matrix_stats_t stats = {{0, 0, 0}, 0, 0};
+    for (int rci = 0; rci < NUM_ROUTING_CASES; rci++) {
+        const routing_case_t *rc = &ROUTING_CASES[rci];
+        for (int kind = 0; kind < 2; kind++)
+            for (int wdi = 0; wdi < 3; wdi++) {
+                int E, k, H, F;
+                random_shape(&E, &k, &H, &F, rci == 2 && kind == 0 && wdi == 0);
+                layer_t L;
+                const int router = rc->source != GIVEN_IDS && rc->source != CUSTOM_WITHOUT_ROUTER;
+                layer_make(&L, (colibri_expert_kind_t)kind, DTYPES[wdi], E, k, H, F, router,
+                           rc->routing == COLIBRI_ROUTING_SIGMOID_BIAS);
+                L.cfg.routing = rc->routing;
+                L.cfg.renormalize = rc->renormalize;
+                L.cfg.routed_scaling_factor = rc->scaling;
+                custom_router_t cr = {E, k, COLIBRI_DTYPE_F32, 0, 0, 0, 0, NULL, 0};
+                if (rc->source == CUSTOM_WITH_ROUTER || rc->source == CUSTOM_WITHOUT_ROUTER) {
+                    L.cfg.routing_fn = custom_route;
+                    L.cfg.routing_user_data = &cr;
+                    cr.logits_seen = malloc((size_t)MAX_T * E * sizeof(float));
+                    custom_hidden_size = H;
+                }
+                colibri_moe_context_t *ctx = NULL;
+                CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+                if (ctx) {
+                    L.cfg.workspace_tokens = 256; /* the backend default, for the chunk count check */
+                    for (int ai = 0; ai < 3; ai++)
+                        for (size_t ti = 0; ti < sizeof TOKEN_COUNTS / sizeof TOKEN_COUNTS[0]; ti++) {
+                            char label[200];
+                            snprintf(label, sizeof label, "[%s, %s, w %s, act %s, T=%d, E=%d k=%d H=%d F=%d]",
+                                     rc->name, kind ? "linear" : "swiglu", dtype_name(DTYPES[wdi]),
+                                     dtype_name(DTYPES[ai]), TOKEN_COUNTS[ti], E, k, H, F);
+                            run_case(&L, ctx, rc, &cr, DTYPES[ai], TOKEN_COUNTS[ti], &stats, label);
+                        }
+                }
+                colibri_moe_context_destroy(ctx);
+                free(cr.logits_seen);
+                layer_free(&L);
+            }
+    }
+    /* the near-tie exclusion must leave most tokens compared, or the routing checks assert little */
+    CHECK(stats.tokens_near_tie * 10 < stats.tokens_compared, "%d of %d tokens had near-ties",
+          stats.tokens_near_tie, stats.tokens_compared);
+    printf("matrix: worst normalised error fp32 %.2e (limit %.0e), fp16 %.2e (limit %.0e), bf16 %.2e (limit %.0e); "
+           "%d of %d routed tokens skipped as near-ties\n",
+           stats.worst[0], error_limit(COLIBRI_DTYPE_F32), stats.worst[1], error_limit(COLIBRI_DTYPE_F16),
+           stats.worst[2], error_limit(COLIBRI_DTYPE_BF16), stats.tokens_near_tie, stats.tokens_compared);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * dtype conversions, exhaustively, through a 1 x 1 LINEAR layer (y = w x)
+ * ---------------------------------------------------------------------------------------------- */
+
+static int same_value(double a, double b) { return (isnan(a) && isnan(b)) || a == b; }
+
+static void test_conversions(void) {
+    for (int di = 1; di < 3; di++) {
+        const colibri_dtype_t d = DTYPES[di];
+        double *value_of = malloc(0x10000 * sizeof *value_of);
+        uint16_t *all = malloc(0x10000 * sizeof *all);
+        for (uint32_t h = 0; h < 0x10000; h++) all[h] = (uint16_t)h, value_of[h] = decode(all, d, h);
+
+        /* every 16-bit pattern as a weight: w * 1 = w, written as fp32 */
+        layer_t L;
+        memset(&L, 0, sizeof L);
+        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, d, 1, 1, 1, 0x10000, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f,
+                                       0, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        uint64_t off = 0;
+        colibri_moe_context_t *ctx = NULL;
+        CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, all, &off, 0x10000, NULL, NULL), COLIBRI_OK);
+        float *out = malloc(0x10000 * sizeof *out), one = 1.0f, wt = 1.0f;
+        int32_t id = 0;
+        poison(out, COLIBRI_DTYPE_F32, 0x10000);
+        CHECK_STATUS(colibri_moe_forward(ctx, 1, COLIBRI_DTYPE_F32, &one, &id, &wt, out, NULL), COLIBRI_OK);
+        int bad = 0;
+        for (uint32_t h = 0; h < 0x10000; h++) bad += !same_value(out[h], value_of[h]);
+        CHECK(bad == 0, "%s weights: %d of 65536 patterns decoded wrongly", dtype_name(d), bad);
+        colibri_moe_context_destroy(ctx);
+
+        /* every pattern as an input activation, through a 1 x 1 fp32 weight of 1: comes back unchanged */
+        const float unit = 1.0f;
+        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F32, 1, 1, 1, 1, COLIBRI_ROUTING_SOFTMAX_TOPK, 0,
+                                       1.0f, 4096, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, &unit, &off, 1, NULL, NULL), COLIBRI_OK);
+        int32_t *ids = calloc(0x10000, sizeof *ids);
+        float *wts = malloc(0x10000 * sizeof *wts);
+        uint16_t *back = malloc(0x10000 * sizeof *back);
+        for (int i = 0; i < 0x10000; i++) wts[i] = 1.0f;
+        poison(back, d, 0x10000);
+        CHECK_STATUS(colibri_moe_forward(ctx, 0x10000, d, all, ids, wts, back, NULL), COLIBRI_OK);
+        bad = 0;
+        for (uint32_t h = 0; h < 0x10000; h++) bad += !same_value(value_of[back[h]], value_of[h]);
+        CHECK(bad == 0, "%s inputs: %d of 65536 patterns did not come back", dtype_name(d), bad);
+        free(back);
+        colibri_moe_context_destroy(ctx);
+
+        /* outputs: fp32 values at, halfway between and just either side of the halfway point of every pair of
+         * neighbouring 16-bit values, written by a LINEAR layer of F = n rows holding them as fp32 weights,
+         * applied to x = 1. The result must be the nearest value, ties to the even pattern. */
+        float *vals = malloc(4 * 0x10000 * sizeof *vals);
+        uint16_t *want = malloc(4 * 0x10000 * sizeof *want);
+        int n = 0;
+        for (uint32_t h = 0; h < 0x10000; h++) {
+            if (isnan(value_of[h])) continue;
+            vals[n] = (float)value_of[h], want[n++] = (uint16_t)h;
+            if (isinf(value_of[h]) || h + 1 > 0xffff || isnan(value_of[h + 1])) continue;
+            /* the largest finite value's upper neighbour is infinity: round up from max + half an ulp */
+            const double upper = isinf(value_of[h + 1]) ? 2 * value_of[h] - value_of[h - 1] : value_of[h + 1];
+            const float mid = (float)((value_of[h] + upper) / 2); /* exact: one bit more than 16-bit */
+            vals[n] = mid, want[n++] = (uint16_t)(h & 1 ? h + 1 : h);
+            vals[n] = nextafterf(mid, 0.0f), want[n++] = (uint16_t)h; /* toward zero: the smaller magnitude */
+            vals[n] = nextafterf(mid, signbit(mid) ? -INFINITY : INFINITY), want[n++] = (uint16_t)(h + 1);
+        }
+        vals[n] = NAN, want[n++] = d == COLIBRI_DTYPE_F16 ? 0x7e00 : 0x7fc0;
+        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F32, 1, 1, 1, n, COLIBRI_ROUTING_SOFTMAX_TOPK, 0,
+                                       1.0f, 0, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, vals, &off, (uint64_t)n, NULL, NULL), COLIBRI_OK);
+        uint16_t x_one[2], *got = malloc((size_t)n * sizeof *got); /* room for an fp32 */
+        encode_trunc(x_one, d, 0, 1.0);
+        poison(got, d, (size_t)n);
+        CHECK_STATUS(colibri_moe_forward(ctx, 1, d, x_one, &id, &wt, got, NULL), COLIBRI_OK);
+        bad = 0;
+        for (int i = 0; i < n; i++) {
+            const double g = value_of[got[i]], v = value_of[want[i]];
+            const int ok = got[i] == want[i] || (isnan(g) && isnan(v)) || (g == 0 && v == 0);
+            if (!ok && bad++ < 5) printf("  %s output of %.9g: got 0x%04x, want 0x%04x\n", dtype_name(d), (double)vals[i], got[i], want[i]);
+        }
+        CHECK(bad == 0, "%s outputs: %d of %d values rounded wrongly", dtype_name(d), bad, n);
+        free(got);
+        free(want);
+        free(vals);
+        free(ids);
+        free(wts);
+        free(out);
+        colibri_moe_context_destroy(ctx);
+        free(value_of);
+        free(all);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * chunking, determinism and thread counts, expert counters
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Forwards T tokens of input x (act) through a fresh context of L with the given workspace and
+ * threads, ids NULL for the built-in router; returns the output (to free). */
+static void *forward_with(layer_t *L, int workspace, int threads, colibri_dtype_t act, int T, const void *x,
+                          const int32_t *ids, const float *w) {
+    L->cfg.workspace_tokens = workspace;
+    L->cfg.num_threads = threads;
+    colibri_moe_context_t *ctx = NULL;
+    void *out = malloc((size_t)T * L->out * colibri_dtype_size(act));
+    poison(out, act, (size_t)T * L->out);
+    CHECK_STATUS(layer_init(L, &ctx), COLIBRI_OK);
+    if (ctx) CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, ids, w, out, NULL), COLIBRI_OK);
+    colibri_moe_context_destroy(ctx);
+    return out;
+}
+
+static void test_chunking_and_determinism(void) {
+    const int T = 64;
+    for (int variant = 0; variant < 2; variant++) {
+        layer_t L;
+        const colibri_dtype_t act = variant ? COLIBRI_DTYPE_F16 : COLIBRI_DTYPE_F32;
+        if (variant == 0) layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, 8, 2, 100, 72, 1, 0);
+        else layer_make(&L, COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F16, 6, 3, 70, 45, 1, 1);
+        L.cfg.routing = variant ? COLIBRI_ROUTING_SIGMOID_BIAS : COLIBRI_ROUTING_SOFTMAX_TOPK;
+        L.cfg.renormalize = 1;
+        const size_t out_bytes = (size_t)T * L.out * colibri_dtype_size(act);
+        void *x = malloc((size_t)T * L.cfg.hidden_size * colibri_dtype_size(act));
+        double *xd = malloc((size_t)T * L.cfg.hidden_size * sizeof *xd);
+        random_input(x, xd, act, T, L.cfg.hidden_size);
+        int32_t *ids = malloc((size_t)T * L.cfg.top_k * sizeof *ids);
+        float *w = malloc((size_t)T * L.cfg.top_k * sizeof *w);
+        for (int i = 0; i < T * L.cfg.top_k; i++) ids[i] = randint(0, L.cfg.num_experts - 1), w[i] = (float)uniform(-1, 1);
+        for (int given = 0; given < 2; given++) {
+            const int32_t *gi = given ? ids : NULL;
+            const float *gw = given ? w : NULL;
+            void *base = forward_with(&L, 0, 0, act, T, x, gi, gw);
+            const int workspaces[] = {5, 1, 64}, threads[] = {1, 2, 3};
+            for (int i = 0; i < 3; i++) {
+                void *chunked = forward_with(&L, workspaces[i], 0, act, T, x, gi, gw);
+                CHECK(memcmp(base, chunked, out_bytes) == 0, "variant %d given %d: workspace_tokens %d changes the output",
+                      variant, given, workspaces[i]);
+                free(chunked);
+                void *threaded = forward_with(&L, 0, threads[i], act, T, x, gi, gw);
+                CHECK(memcmp(base, threaded, out_bytes) == 0, "variant %d given %d: num_threads %d changes the output",
+                      variant, given, threads[i]);
+                free(threaded);
+            }
+            /* two runs on one context */
+            L.cfg.workspace_tokens = 0;
+            L.cfg.num_threads = 0;
+            colibri_moe_context_t *ctx = NULL;
+            CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+            void *again = malloc(out_bytes);
+            for (int run = 0; run < 2 && ctx; run++) {
+                poison(again, act, (size_t)T * L.out);
+                CHECK_STATUS(colibri_moe_forward(ctx, T, act, x, gi, gw, again, NULL), COLIBRI_OK);
+                CHECK(memcmp(base, again, out_bytes) == 0, "variant %d given %d: run %d differs", variant, given, run);
+            }
+            colibri_moe_context_destroy(ctx);
+            free(again);
+            free(base);
+        }
+        free(x), free(xd), free(ids), free(w);
+        layer_free(&L);
+    }
+}
+
+static void test_expert_counts(void) {
+    layer_t L;
+    layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_F32, 5, 2, 64, 32, 1, 0);
+    L.cfg.workspace_tokens = 7; /* counts must add up over chunks */
+    colibri_moe_context_t *ctx = NULL;
+    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+    if (!ctx) { layer_free(&L); return; }
+    const int T = 40, k = 2, E = 5;
+    float *x = malloc((size_t)T * 64 * sizeof *x), *out = malloc((size_t)T * 64 * sizeof *out), w[80];
+    double *xd = malloc((size_t)T * 64 * sizeof *xd);
+    int32_t ids[80], routed[80];
+    uint64_t counts[5], want[5] = {0};
+    random_input(x, xd, COLIBRI_DTYPE_F32, T, 64);
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, counts, 0), COLIBRI_OK);
+    CHECK(counts[0] + counts[1] + counts[2] + counts[3] + counts[4] == 0, "a new context has non-zero counts");
+    for (int i = 0; i < T * k; i++) ids[i] = i % 3 == 0 ? 4 : randint(0, 3), w[i] = 0.5f, want[ids[i]]++;
+    CHECK_STATUS(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_OK);
+    CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, x, routed, w, NULL), COLIBRI_OK); /* not counted */
+    CHECK_STATUS(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, NULL, NULL, out, NULL), COLIBRI_OK);
+    for (int i = 0; i < T * k; i++) want[routed[i]]++;
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, counts, 1), COLIBRI_OK);
+    for (int e = 0; e < E; e++)
+        CHECK(counts[e] == want[e], "expert %d counted %llu, want %llu", e, (unsigned long long)counts[e],
+              (unsigned long long)want[e]);
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, counts, 0), COLIBRI_OK);
+    CHECK(counts[0] + counts[1] + counts[2] + counts[3] + counts[4] == 0, "reset left counts");
+    colibri_moe_context_destroy(ctx);
+    free(x), free(out), free(xd);
+    layer_free(&L);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * bad input: every refusal returns the right status, says why, and leaves the output untouched
+ * ---------------------------------------------------------------------------------------------- */
+
+static int error_mentions(const char *word) { return strstr(colibri_last_error(), word) != NULL; }
+
+static int still_poisoned(const float *out, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isnan(out[i])) return 0;
+    return 1;
+}
+
+static void expect_bad_config(const layer_t *base, void (*mutate)(colibri_moe_config_t *), const char *word) {
+    layer_t L = *base;
+    mutate(&L.cfg);
+    colibri_moe_context_t *ctx = (colibri_moe_context_t *)&L; /* must be overwritten with NULL */
+    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(ctx == NULL, "a failed init left *out_ctx set");
+    CHECK(error_mentions(word), "message \"%s\" does not mention %s", colibri_last_error(), word);
+}
+
+static void top_k_zero(colibri_moe_config_t *c) { c->top_k = 0; }
+static void top_k_above_e(colibri_moe_config_t *c) { c->top_k = c->num_experts + 1; }
+static void no_experts(colibri_moe_config_t *c) { c->num_experts = 0; }
+static void hidden_zero(colibri_moe_config_t *c) { c->hidden_size = 0; }
+static void intermediate_negative(colibri_moe_config_t *c) { c->intermediate_size = -3; }
+static void unknown_kind(colibri_moe_config_t *c) { c->expert_kind = (colibri_expert_kind_t)7; }
+static void unknown_wdtype(colibri_moe_config_t *c) { c->weight_dtype = (colibri_dtype_t)9; }
+static void unknown_routing(colibri_moe_config_t *c) { c->routing = (colibri_routing_t)5; }
+static void unknown_device(colibri_moe_config_t *c) { c->device = (colibri_device_t)4; }
+static void renormalize_two(colibri_moe_config_t *c) { c->renormalize = 2; }
+static void scaling_zero(colibri_moe_config_t *c) { c->routed_scaling_factor = 0.0f; }
+static void scaling_negative(colibri_moe_config_t *c) { c->routed_scaling_factor = -1.0f; }
+static void scaling_nan(colibri_moe_config_t *c) { c->routed_scaling_factor = NAN; }
+static void scaling_inf(colibri_moe_config_t *c) { c->routed_scaling_factor = INFINITY; }
+static void workspace_negative(colibri_moe_config_t *c) { c->workspace_tokens = -1; }
+static void threads_negative(colibri_moe_config_t *c) { c->num_threads = -2; }
+static void sigmoid_without_bias(colibri_moe_config_t *c) { c->routing = COLIBRI_ROUTING_SIGMOID_BIAS; }
+
+static void test_bad_input(void) {
+    layer_t L;
+    layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, 4, 2, 64, 48, 1, 0);
+    const int T = 6, H = 64, k = 2, E = 4;
+    colibri_moe_context_t *ctx = NULL;
+
+    /* init */
+    CHECK_STATUS(colibri_moe_context_init(NULL, &L.cfg, L.weights, L.offsets, L.numel, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_init(&ctx, NULL, L.weights, L.offsets, L.numel, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, NULL, L.offsets, L.numel, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("expert_weights"), "%s", colibri_last_error());
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, L.weights, NULL, L.numel, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    expect_bad_config(&L, top_k_zero, "top_k");
+    expect_bad_config(&L, top_k_above_e, "top_k");
+    expect_bad_config(&L, no_experts, "num_experts");
+    expect_bad_config(&L, hidden_zero, "hidden_size");
+    expect_bad_config(&L, intermediate_negative, "intermediate_size");
+    expect_bad_config(&L, unknown_kind, "expert_kind");
+    expect_bad_config(&L, unknown_wdtype, "weight_dtype");
+    expect_bad_config(&L, unknown_routing, "routing");
+    expect_bad_config(&L, unknown_device, "device");
+    expect_bad_config(&L, renormalize_two, "renormalize");
+    expect_bad_config(&L, scaling_zero, "routed_scaling_factor");
+    expect_bad_config(&L, scaling_negative, "routed_scaling_factor");
+    expect_bad_config(&L, scaling_nan, "routed_scaling_factor");
+    expect_bad_config(&L, scaling_inf, "routed_scaling_factor");
+    expect_bad_config(&L, workspace_negative, "workspace_tokens");
+    expect_bad_config(&L, threads_negative, "num_threads");
+    expect_bad_config(&L, sigmoid_without_bias, "router_bias");
+
+    /* experts that do not fit in the buffer */
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, L.weights, L.offsets, L.numel - 1, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(ctx == NULL && error_mentions("does not fit"), "%s", colibri_last_error());
+    const uint64_t saved = L.offsets[1];
+    L.offsets[1] = UINT64_MAX - 5; /* offset + size overflows */
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, L.weights, L.offsets, L.numel, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    L.offsets[1] = saved;
+
+    /* a router with a NaN */
+    L.router[3] = NAN;
+    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(ctx == NULL && error_mentions("router_weight"), "%s", colibri_last_error());
+    L.router[3] = 0.25f;
+
+    /* a CUDA context where CUDA was not built */
+    if (!colibri_cuda_built()) {
+        L.cfg.device = COLIBRI_DEVICE_CUDA;
+        CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_ERR_UNSUPPORTED);
+        CHECK(ctx == NULL && error_mentions("CUDA"), "%s", colibri_last_error());
+        CHECK(colibri_cuda_device_count() == 0, "no CUDA backend, yet %d devices", colibri_cuda_device_count());
+        L.cfg.device = COLIBRI_DEVICE_CPU;
+    }
+
+    /* forward and route on a good context */
+    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+    if (!ctx) { layer_free(&L); return; }
+    float x[6 * 64], out[6 * 64], w[12];
+    int32_t ids[12];
+    uint64_t counts[4];
+    for (int i = 0; i < T * H; i++) x[i] = (float)uniform(-1, 1);
+    for (int i = 0; i < T * k; i++) ids[i] = i % E, w[i] = 0.5f;
+#define EXPECT_UNTOUCHED(call, status, word)                                                              \
+    do {                                                                                                   \
+        poison(out, COLIBRI_DTYPE_F32, (size_t)T * H);                                                     \
+        CHECK_STATUS(call, status);                                                                        \
+        CHECK(still_poisoned(out, (size_t)T * H), "%s wrote the output", #call);                           \
+        CHECK(error_mentions(word), "message \"%s\" does not mention %s", colibri_last_error(), word);     \
+    } while (0)
+    EXPECT_UNTOUCHED(colibri_moe_forward(NULL, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "ctx");
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, NULL, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "input");
+    CHECK_STATUS(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("output"), "%s", colibri_last_error());
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, -1, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "num_tokens");
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, (colibri_dtype_t)3, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "act_dtype");
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, NULL, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "together");
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, NULL, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "together");
+    CHECK_STATUS(colibri_moe_forward(ctx, 0, COLIBRI_DTYPE_F32, NULL, NULL, NULL, NULL, NULL), COLIBRI_OK);
+    ids[T * k - 1] = E; /* the last id: nothing may be written before the check */
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "out of range");
+    ids[T * k - 1] = -1;
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "out of range");
+    ids[T * k - 1] = 0;
+    w[5] = NAN;
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "not finite");
+    w[5] = -INFINITY;
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "not finite");
+    w[5] = 0.5f;
+    CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, x, NULL, w, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, x, ids, NULL, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, NULL, ids, w, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_route(NULL, T, COLIBRI_DTYPE_F32, x, ids, w, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, NULL, 0), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, counts, 2), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_expert_counts(NULL, counts, 0), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(colibri_moe_context_take_device_error(ctx), COLIBRI_OK);
+    colibri_moe_context_destroy(ctx);
+    colibri_moe_context_destroy(NULL);
+
+    /* no routing source: no router, no routing_fn, no ids */
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, L.weights, L.offsets, L.numel, NULL, NULL), COLIBRI_OK);
+    EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, NULL, NULL, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT, "routing");
+    CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    colibri_moe_context_destroy(ctx);
+
+    /* a routing_fn that misbehaves: COLIBRI_ERR_ROUTING, output untouched */
+    custom_router_t cr = {E, k, COLIBRI_DTYPE_F32, 0, 0, 0, 0, NULL, 0};
+    custom_hidden_size = H;
+    L.cfg.routing_fn = custom_route;
+    L.cfg.routing_user_data = &cr;
+    CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, L.weights, L.offsets, L.numel, NULL, NULL), COLIBRI_OK);
+    const char *why[] = {"", "out of range", "not finite", "routing_fn failed"};
+    for (cr.misbehave = 1; cr.misbehave <= 3 && ctx; cr.misbehave++) {
+        EXPECT_UNTOUCHED(colibri_moe_forward(ctx, T, COLIBRI_DTYPE_F32, x, NULL, NULL, out, NULL), COLIBRI_ERR_ROUTING,
+                         why[cr.misbehave]);
+        CHECK_STATUS(colibri_moe_route(ctx, T, COLIBRI_DTYPE_F32, x, ids, w, NULL), COLIBRI_ERR_ROUTING);
+    }
+    CHECK_STATUS(colibri_moe_context_expert_counts(ctx, counts, 0), COLIBRI_OK);
+    CHECK(counts[0] + counts[1] + counts[2] + counts[3] == 0, "failed forwards were counted");
+    colibri_moe_context_destroy(ctx);
+    layer_free(&L);
+#undef EXPECT_UNTOUCHED
+}
+
+static void test_strings(void) {
+    const colibri_status_t all[] = {COLIBRI_OK, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNSUPPORTED,
+                                    COLIBRI_ERR_CUDA, COLIBRI_ERR_ROUTING, COLIBRI_ERR_INTERNAL};
+    for (int i = 0; i < 7; i++)
+        for (int j = 0; j < i; j++)
+            CHECK(strcmp(colibri_status_string(all[i]), colibri_status_string(all[j])) != 0, "statuses %d and %d share a name", i, j);
+    CHECK(strcmp(colibri_status_string(COLIBRI_OK), "ok") == 0, "%s", colibri_status_string(COLIBRI_OK));
+    CHECK(strstr(colibri_status_string(COLIBRI_ERR_ROUTING), "routing") != NULL, "%s", colibri_status_string(COLIBRI_ERR_ROUTING));
+    CHECK(strcmp(colibri_status_string((colibri_status_t)99), "unknown status") == 0, "%s", colibri_status_string((colibri_status_t)99));
+    CHECK(strcmp(colibri_version(), COLIBRI_VERSION_STRING) == 0, "version %s", colibri_version());
+    CHECK(colibri_dtype_size(COLIBRI_DTYPE_F32) == 4 && colibri_dtype_size(COLIBRI_DTYPE_BF16) == 2 &&
+              colibri_dtype_size(COLIBRI_DTYPE_F16) == 2 && colibri_dtype_size((colibri_dtype_t)5) == 0, "dtype sizes");
+    CHECK(colibri_expert_numel(COLIBRI_EXPERT_SWIGLU, 3, 5) == 45 && colibri_expert_numel(COLIBRI_EXPERT_LINEAR, 3, 5) == 15 &&
+              colibri_expert_numel(COLIBRI_EXPERT_LINEAR, 0, 5) == 0, "expert_numel");
+}
+
+int main(int argc, char **argv) {
+    const uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 0) : (uint64_t)time(NULL) ^ ((uint64_t)clock() << 32);
+    rng_state = seed ? seed : 1;
+    printf("test_moe_cpu: seed %llu (rerun with: test_moe_cpu %llu)\n", (unsigned long long)seed, (unsigned long long)seed);
+    const clock_t start = clock();
+    test_strings();
+    test_bad_input();
+    test_conversions();
+    test_expert_counts();
+    test_chunking_and_determinism();
+    test_matrix();
+    printf("test_moe_cpu: %d checks, %d failed (%.1f s CPU)\n", checks, failures, (double)(clock() - start) / CLOCKS_PER_SEC);
+    return failures ? 1 : 0;
+}
