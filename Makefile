@@ -72,7 +72,8 @@ $(LIB_A): $(OBJS)
 
 $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 	@mkdir -p $(dir $@)
-	$(LINK) $(CPPFLAGS) $(filter-out -Werror%,$(CFLAGS)) -o $@ $< $(LIB_A) $(LDLIBS)
+	$(CC) $(CPPFLAGS) $(filter-out -Werror%,$(CFLAGS)) -c $< -o $@.o
+	$(LINK) -o $@ $@.o $(LIB_A) $(LDLIBS)
 
 ctests: $(C_TESTS)
 
