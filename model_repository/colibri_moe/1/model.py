@@ -121,8 +121,9 @@ class TritonPythonModel:
                 for member in members:
                     self._run([member], responses)
             else:
-                code = pb_utils.TritonError.INVALID_ARG if exc.status == colibri.STATUS_INVALID_ARGUMENT else pb_utils.TritonError.INTERNAL
-                self._fail(members, responses, str(exc), code)
+                invalid = exc.status == colibri.STATUS_INVALID_ARGUMENT
+                self._fail(members, responses, str(exc),
+                           pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL)
         except Exception as exc:  # execute must not raise: that would fail every request of the batch
             self._fail(members, responses, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
 
