@@ -456,15 +456,14 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     CUDA_OK(cudaGraphExecDestroy(exec));
     CUDA_OK(cudaGraphDestroy(graph));
 
-    /* ids out of range: every third token gets id E or -1 in one slot */
+    /* ids out of range: slot 0 of every token gets E, -1 or E + 100 */
     std::vector<int> ids((size_t)T * s.k);
     std::vector<float> wts((size_t)T * s.k, 0.5f);
     std::vector<uint64_t> want(s.E, 0), counts(s.E);
     for (int t = 0; t < T; t++)
         for (int j = 0; j < s.k; j++) {
             int e = (t * 7 + j * 3) % s.E;
-            if (j == 0 && t % 3 == 1) e = t % 2 ? s.E : -1;
-            else if (j == 0 && t % 3 == 2) e = s.E + 100;
+            if (j == 0) e = t % 3 == 0 ? s.E : t % 3 == 1 ? -1 : s.E + 100;
             ids[(size_t)t * s.k + j] = e;
             if (e >= 0 && e < s.E) want[e]++;
         }

@@ -11,6 +11,7 @@
 template <class TY, class TA, int V>
 __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const TY *y, const int32_t *inv, const float *wts,
                                                                   int k, int O, TA *out) {
+    pdl_begin();
     const int t = blockIdx.x;
     const int col = (blockIdx.y * COMBINE_THREADS + threadIdx.x) * V;
     if (col >= O) return;
@@ -34,12 +35,11 @@ static cudaError_t launch_combine(const TY *y, const int32_t *inv, const float *
                                   TA *out, cudaStream_t stream) {
     if (O % 8 == 0 && colibri_aligned16(out)) {
         const dim3 grid((unsigned)T, (unsigned)((O / 8 + COMBINE_THREADS - 1) / COMBINE_THREADS));
-        combine_kernel<TY, TA, 8><<<grid, COMBINE_THREADS, 0, stream>>>(y, inv, wts, k, O, out);
+        return colibri_launch(combine_kernel<TY, TA, 8>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, wts, k, O, out);
     } else {
         const dim3 grid((unsigned)T, (unsigned)((O + COMBINE_THREADS - 1) / COMBINE_THREADS));
-        combine_kernel<TY, TA, 1><<<grid, COMBINE_THREADS, 0, stream>>>(y, inv, wts, k, O, out);
+        return colibri_launch(combine_kernel<TY, TA, 1>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, wts, k, O, out);
     }
-    return cudaGetLastError();
 }
 
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,

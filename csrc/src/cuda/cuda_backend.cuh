@@ -113,6 +113,34 @@ __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)
 
 static inline bool colibri_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
+/* Programmatic dependent launch (sm_90): every kernel of a forward lets the next one launch as soon as
+ * all its blocks have started, and waits for the previous one to finish (with its writes visible)
+ * before touching anything. The next kernel's launch and block scheduling then overlap this one's
+ * tail instead of following it; at decode, where each kernel runs a few microseconds, that is most
+ * of the gap between them. Elsewhere both are no-ops and the launch attribute is ignored. */
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <class... Params, class... Args>
+static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  Args... args) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, ((Params)args)...);
+}
+
 /* route.cu */
 colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                            colibri_dtype_t act_dtype, const void *input, int32_t *topk_ids,

@@ -88,6 +88,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
     constexpr uint32_t A_BYTES = BM * MMA_ROW_BYTES, B_BYTES = MMA_BN * MMA_ROW_BYTES;
     constexpr uint32_t STAGE_BYTES = A_BYTES + NMAT * B_BYTES;
 
+    pdl_begin();
     if ((int)blockIdx.x >= *a.num_tiles) return;
     const ExpertTile tile = a.tiles[blockIdx.x];
     const int n0 = blockIdx.y * MMA_BN;
@@ -230,12 +231,11 @@ template <class T, bool GLU>
 static cudaError_t mma_launch(const MmaArgs &a, int tile_m, int64_t slots, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
     switch (tile_m) {
-    case 16: mma_kernel<T, 16, GLU><<<grid, MMA_THREADS, mma_smem_bytes<16, GLU>(), stream>>>(a); break;
-    case 32: mma_kernel<T, 32, GLU><<<grid, MMA_THREADS, mma_smem_bytes<32, GLU>(), stream>>>(a); break;
-    case 64: mma_kernel<T, 64, GLU><<<grid, MMA_THREADS, mma_smem_bytes<64, GLU>(), stream>>>(a); break;
-    default: mma_kernel<T, 128, GLU><<<grid, MMA_THREADS, mma_smem_bytes<128, GLU>(), stream>>>(a); break;
+    case 16: return colibri_launch(mma_kernel<T, 16, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<16, GLU>(), stream, a);
+    case 32: return colibri_launch(mma_kernel<T, 32, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<32, GLU>(), stream, a);
+    case 64: return colibri_launch(mma_kernel<T, 64, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<64, GLU>(), stream, a);
+    default: return colibri_launch(mma_kernel<T, 128, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<128, GLU>(), stream, a);
     }
-    return cudaGetLastError();
 }
 
 colibri_status_t colibri_cuda_experts_setup(void) {
@@ -246,8 +246,10 @@ colibri_status_t colibri_cuda_experts_setup(void) {
     return COLIBRI_OK;
 }
 
-/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height. Tiles are sized ~1.5x the
- * mean assignments per expert so that most experts fit in one tile (weights read once). */
+/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height: the smallest that holds the
+ * mean assignments per expert. A fuller tile wastes tensor-core work on padding rows, which is what
+ * limits a memory-bound layer once the tile is mostly padding; an expert that overflows into a second
+ * tile re-reads its weights from L2, since its tiles run side by side (adjacent blockIdx.x). */
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
@@ -255,7 +257,7 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
                               c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
     const int64_t assignments = num_tokens * c->top_k;
     if (!tensor_cores || assignments <= 4 * (int64_t)c->num_experts) return GEMV_GROUP;
-    const int64_t want = (assignments * 3 / 2 + c->num_experts - 1) / c->num_experts;
+    const int64_t want = (assignments + c->num_experts - 1) / c->num_experts;
     return want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
 }
 

@@ -105,6 +105,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs &a, const TW *w0, const
 
 template <class TW, class TX, class TO, int VW, bool GLU>
 __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(GemvArgs a) {
+    pdl_begin();
     int expert = 0, p0, p1;
     if (a.tiles) {
         if ((int)blockIdx.x >= *a.num_tiles) return;
@@ -136,9 +137,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(GemvArgs a) {
 template <class TW, class TX, class TO, bool GLU>
 static cudaError_t gemv_launch(const GemvArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
-    if (vec) gemv_kernel<TW, TX, TO, 16 / sizeof(TW), GLU><<<grid, GEMV_WARPS * 32, 0, stream>>>(a);
-    else gemv_kernel<TW, TX, TO, 1, GLU><<<grid, GEMV_WARPS * 32, 0, stream>>>(a);
-    return cudaGetLastError();
+    if (vec) return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), GLU>, grid, GEMV_WARPS * 32, 0, stream, a);
+    return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU>, grid, GEMV_WARPS * 32, 0, stream, a);
 }
 
 #endif /* COLIBRI_CUDA_GEMV_CUH */

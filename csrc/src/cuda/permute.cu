@@ -43,6 +43,7 @@ __device__ int block_exclusive_scan(int v, int *warp_sums, int *total) {
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, int32_t *offsets, int32_t *perm,
                                int32_t *inv, ExpertTile *tiles, int32_t *num_tiles, unsigned long long *totals,
                                int32_t *bad_id) {
+    pdl_begin();
     extern __shared__ int smem[];
     const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int chunk = blockDim.x * PERMUTE_ROUNDS;
@@ -157,14 +158,14 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
                                              const int32_t *topk_ids, int32_t tile_m, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int n = (int)(num_tokens * ctx->cfg.top_k);
-    permute_kernel<<<1, b->permute_threads, b->permute_smem, stream>>>(topk_ids, n, ctx->cfg.num_experts, tile_m,
-                                                                       b->offsets, b->perm, b->inv, b->tiles,
-                                                                       b->num_tiles, b->totals, b->bad_id);
-    COLIBRI_CUDA_CHECK(cudaGetLastError());
+    COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(b->permute_threads), b->permute_smem, stream,
+                                      topk_ids, n, ctx->cfg.num_experts, tile_m, b->offsets, b->perm, b->inv,
+                                      b->tiles, b->num_tiles, b->totals, b->bad_id));
     return COLIBRI_OK;
 }
 
 template <class TS, class TD> __global__ void convert_kernel(const TS *src, TD *dst, int64_t n) {
+    pdl_begin();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = from_f32<TD>(to_f32(src[i]));
 }
@@ -172,13 +173,14 @@ template <class TS, class TD> __global__ void convert_kernel(const TS *src, TD *
 colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
                                              colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream) {
     const unsigned blocks = (unsigned)(n / 256 + 1 < 4096 ? n / 256 + 1 : 4096);
+    cudaError_t err = cudaSuccess;
     colibri_dispatch_dtype(src_dtype, [&](auto ts) {
         colibri_dispatch_dtype(dst_dtype, [&](auto td) {
             using TS = typename decltype(ts)::type;
             using TD = typename decltype(td)::type;
-            convert_kernel<TS, TD><<<blocks, 256, 0, stream>>>((const TS *)src, (TD *)dst, n);
+            err = colibri_launch(convert_kernel<TS, TD>, dim3(blocks), dim3(256), 0, stream, (const TS *)src, (TD *)dst, n);
         });
     });
-    COLIBRI_CUDA_CHECK(cudaGetLastError());
+    COLIBRI_CUDA_CHECK(err);
     return COLIBRI_OK;
 }

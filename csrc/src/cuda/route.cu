@@ -24,6 +24,7 @@ __device__ __forceinline__ float selection_score(colibri_routing_t routing, floa
 __global__ void __launch_bounds__(256) topk_kernel(const float *logits, const float *bias, int T, int E, int k,
                                                    colibri_routing_t routing, int renormalize, float scale,
                                                    int32_t *ids, float *wts) {
+    pdl_begin();
     const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= T) return;
     const float *l = logits + (size_t)t * E;
@@ -84,10 +85,8 @@ __global__ void __launch_bounds__(256) topk_kernel(const float *logits, const fl
 
 static cudaError_t launch_topk(const colibri_moe_config_t *c, const float *logits, const float *bias, int64_t T,
                                int32_t *ids, float *wts, cudaStream_t stream) {
-    topk_kernel<<<(unsigned)((T + 7) / 8), 256, 0, stream>>>(logits, bias, (int)T, c->num_experts, c->top_k,
-                                                            c->routing, c->renormalize, c->routed_scaling_factor,
-                                                            ids, wts);
-    return cudaGetLastError();
+    return colibri_launch(topk_kernel, dim3((unsigned)((T + 7) / 8)), dim3(256), 0, stream, logits, bias, (int)T,
+                          c->num_experts, c->top_k, c->routing, c->renormalize, c->routed_scaling_factor, ids, wts);
 }
 
 static cudaError_t launch_logits(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype,
