@@ -292,8 +292,10 @@ static int clear_routing(const layer_t *L, const int32_t *ids, const double *sco
  * and weights are decoded exactly), so what remains is (a) fp32 arithmetic: sums of a few hundred terms
  * whose relative rounding is ~sqrt(n) * 6e-8 ~ 1e-6, times a cancellation factor of a few, and (b) the
  * rounding of the output to the activation dtype: 2^-24 (fp32), 2^-11 = 4.9e-4 (fp16), 2^-8 = 3.9e-3
- * (bf16) of each element, which is at most that of max|ref|. Each limit is (a) + (b) with a margin of
- * 2-4x, tight enough that a wrong weight, slot or row shows up. */
+ * (bf16) of each element, which is at most that of max|ref|, and (c) for bf16 weights with bf16
+ * activations on CPUs with AVX512-BF16, the SwiGLU intermediate kept in bf16: 2^-8 relative per element,
+ * random in sign, so it adds about 1e-3 to the output. Each limit is the sum with a margin of 2-4x,
+ * tight enough that a wrong weight, slot or row shows up. */
 static double error_limit(colibri_dtype_t act) {
     return act == COLIBRI_DTYPE_F32 ? 1e-5 : act == COLIBRI_DTYPE_F16 ? 2e-3 : 1e-2;
 }

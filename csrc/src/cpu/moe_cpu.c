@@ -18,6 +18,12 @@
  * so each weight byte is streamed once (decode is memory-bound); at large T each block of weight rows is
  * converted to fp32 once and reused from cache by every token of the expert.
  *
+ * bf16 x bf16: where the CPU has AVX512-BF16 dot products (vdpbf16ps) and both the weights and the
+ * activations are bf16, the projections multiply bf16 pairs straight from the weights, accumulating in
+ * fp32, and the SwiGLU intermediate silu(gate x) * up x is kept in bf16, the activation dtype (as
+ * PyTorch does in bf16). That halves the arithmetic and skips the weight conversion. Every other case
+ * converts weights to fp32 and keeps the intermediate in fp32.
+ *
  * Determinism: every output element is computed by one task in a fixed order of operations, whatever
  * thread runs it, and the combine sums the slots in order, so results are bitwise identical run to run,
  * for any thread count and any chunking.
@@ -28,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -40,12 +46,18 @@
 #define ALWAYS_INLINE inline
 #endif
 
+#ifdef __AVX512BF16__
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 enum {
-    ROW_PAD = 16,       /* fp32 rows are padded with zeros to 64 bytes: aligned, whole vectors */
+    ROW_PAD = 32,       /* activation rows are padded with zeros to 32 elements: aligned, whole vectors */
     TILE_TOKENS = 4,    /* register tile: TILE_TOKENS x TILE_ROWS accumulators, see dot_tile */
     TILE_ROWS = 4,
     ROW_BLOCK = 16,     /* weight rows per task (a multiple of TILE_ROWS) */
-    K_CHUNK = 1024,      /* weight columns converted at once: ROW_BLOCK x K_CHUNK fp32 stays in L1 */
+    K_CHUNK = 1024,     /* weight columns converted to fp32 at once (ROW_BLOCK x K_CHUNK floats) */
     DEFAULT_WORKSPACE_TOKENS = 256
 };
 
@@ -59,20 +71,23 @@ typedef struct {
     uint64_t *offsets;         /* [E] element offset of each expert (our copy) */
     uint64_t *counts;          /* [E] (token, expert) assignments over all forwards */
     int nthreads;
-    int64_t hp, fp;            /* H and F rounded up to ROW_PAD: row strides of x32 and hidden */
+    int64_t hp, fp;            /* H and F rounded up to ROW_PAD: row strides of x32/x16 and hidden */
+    int bf16_dot;              /* this forward multiplies bf16 x bf16 (see the top of the file) */
 
     /* workspace, for W = workspace_tokens tokens and P = W * k pairs */
     float *x32;                /* [W, hp] input in fp32, zero padding */
-    const float **token_rows;  /* [W] x32 + t * hp */
+    uint16_t *x16;             /* [W, hp] input in bf16 (bf16 weights only), zero padding */
+    const void **token_rows;   /* [W] x32 + t * hp */
     float *logits;             /* [W, E] router logits */
     int32_t *ids;              /* [P] routing computed here */
     float *weights_tk;         /* [P] */
     int32_t *expert_start;     /* [E + 1] first sorted position of each expert */
     int32_t *cursor;           /* [E] counting-sort scratch */
     int32_t *pair_of;          /* [P] sorted position -> pair index t * k + j */
-    const float **x_rows;      /* [P] sorted position -> its token's fp32 input row */
-    const float **h_rows;      /* [P] sorted position -> its hidden row */
+    const void **x_rows;       /* [P] sorted position -> its token's input row (x32 or x16) */
+    const void **h_rows;       /* [P] sorted position -> its hidden row (hidden or hidden16) */
     float *hidden;             /* [P, fp] silu(gate x) * up x (SWIGLU), zero padding */
+    uint16_t *hidden16;        /* [P, fp] the same in bf16 (SWIGLU with bf16 weights only) */
     float *y;                  /* [P, out_features] expert output of each pair, in pair order */
     task_t *tasks;             /* [E * ceil(max(F, H) / ROW_BLOCK)] */
     float *wbuf;               /* [nthreads, ROW_BLOCK * K_CHUNK] converted weight chunk */
@@ -187,11 +202,11 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * every tile shape adds in the same order. fmaf makes the FMA explicit (ISO C does not contract
  * a * b + c). nt is a constant at every call site, so the unused accumulators vanish. Stores nr_store
  * rows of the tile into out, adding to what is there when accumulate. */
-static ALWAYS_INLINE void dot_tile(const int nt, const float *const *x, int64_t x_off, const float *w, int64_t len,
+static ALWAYS_INLINE void dot_tile(const int nt, const void *const *x, int64_t x_off, const float *w, int64_t len,
                                    float *out, int64_t ld, int nr_store, int accumulate) {
     const float *w0 = w, *w1 = w + K_CHUNK, *w2 = w + 2 * K_CHUNK, *w3 = w + 3 * K_CHUNK;
-    const float *x0 = x[0] + x_off, *x1 = x[nt > 1] + x_off, *x2 = x[nt > 2 ? 2 : 0] + x_off,
-                *x3 = x[nt > 3 ? 3 : 0] + x_off;
+    const float *x0 = (const float *)x[0] + x_off, *x1 = (const float *)x[nt > 1] + x_off,
+                *x2 = (const float *)x[nt > 2 ? 2 : 0] + x_off, *x3 = (const float *)x[nt > 3 ? 3 : 0] + x_off;
     float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
     float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
 #pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
@@ -209,12 +224,10 @@ static ALWAYS_INLINE void dot_tile(const int nt, const float *const *x, int64_t 
         for (int r = 0; r < nr_store; r++) out[c * ld + r] = accumulate ? out[c * ld + r] + sums[c][r] : sums[c][r];
 }
 
-/* out[c * ld + r] = sum_i W[r, i] * x[c][i] for r < nrows <= ROW_BLOCK and c < n, where row r of W starts
- * at element w_offset + r * in of the packed weights (stored dtype) and the x rows are fp32, zero-padded
- * to a multiple of ROW_PAD. Each K_CHUNK-wide slice of the rows is converted to fp32 once into wbuf and
+/* The fp32 projection: each K_CHUNK-wide slice of the rows is converted to fp32 once into wbuf and
  * reused by every token. */
-static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
-                    const float *const *x, int64_t n, float *out, int64_t ld, float *wbuf) {
+static void project_f32(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
+                        const void *const *x, int64_t n, float *out, int64_t ld, float *wbuf) {
     for (int64_t i0 = 0; i0 < in; i0 += K_CHUNK) {
         const int64_t len = min64(K_CHUNK, in - i0), padded = round_up(len, ROW_PAD);
         for (int r = 0; r < nrows; r++) {
@@ -240,15 +253,81 @@ static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, in
     }
 }
 
+#if HAVE_BF16_DOT
+/* The bf16 register tile: nt tokens (1..4) x up to 4 weight rows read straight from the packed bf16
+ * weights (row stride `in`). vdpbf16ps multiplies 16 pairs of bf16 and adds both products to 16 fp32
+ * lanes. The tail of a row is loaded under a mask (never reading past the row: the next row or the end
+ * of a memory-mapped file is there); x rows are zero-padded to ROW_PAD. */
+static ALWAYS_INLINE void dot_tile_bf16(const int nt, const void *const *x, const uint16_t *w, int64_t in, int nr,
+                                        float *out, int64_t ld) {
+    const uint16_t *wr[4], *xc[4];
+    for (int r = 0; r < 4; r++) wr[r] = w + (r < nr ? r : 0) * in; /* missing rows repeat row 0, unstored */
+    for (int c = 0; c < nt; c++) xc[c] = (const uint16_t *)x[c];
+    __m512 acc[4][4];
+    for (int c = 0; c < nt; c++)
+        for (int r = 0; r < 4; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 32) {
+        const __mmask32 m = in - i >= 32 ? 0xffffffffu : (1u << (in - i)) - 1u;
+        __m512bh wv[4];
+        for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[r] + i);
+        for (int c = 0; c < nt; c++) {
+            const __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(xc[c] + i));
+            for (int r = 0; r < 4; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], xv, wv[r]);
+        }
+    }
+    for (int c = 0; c < nt; c++)
+        for (int r = 0; r < nr; r++) out[c * ld + r] = _mm512_reduce_add_ps(acc[c][r]);
+}
+
+/* The bf16 x bf16 projection: weight rows stay where they are; a task's rows are re-read from cache by
+ * each tile of tokens. */
+static void project_bf16(const uint16_t *w, int64_t in, int nrows, const void *const *x, int64_t n, float *out,
+                         int64_t ld) {
+    for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
+        const int nt = (int)min64(TILE_TOKENS, n - c0);
+        for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) {
+            const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
+            const uint16_t *wr = w + (int64_t)r0 * in;
+            float *o = out + c0 * ld + r0;
+            switch (nt) {
+            case 4: dot_tile_bf16(4, x + c0, wr, in, nr, o, ld); break;
+            case 3: dot_tile_bf16(3, x + c0, wr, in, nr, o, ld); break;
+            case 2: dot_tile_bf16(2, x + c0, wr, in, nr, o, ld); break;
+            default: dot_tile_bf16(1, x + c0, wr, in, nr, o, ld); break;
+            }
+        }
+    }
+}
+#endif
+
+/* out[c * ld + r] = sum_i W[r, i] * x[c][i] for r < nrows <= ROW_BLOCK and c < n, where row r of W starts
+ * at element w_offset + r * in of the packed weights (stored dtype) and the x rows are zero-padded to a
+ * multiple of ROW_PAD: bf16 rows when x_bf16 (then W is bf16 too), fp32 rows otherwise. */
+static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
+                    const void *const *x, int x_bf16, int64_t n, float *out, int64_t ld, float *wbuf) {
+#if HAVE_BF16_DOT
+    if (x_bf16) {
+        project_bf16((const uint16_t *)w + w_offset, in, nrows, x, n, out, ld);
+        return;
+    }
+#endif
+    (void)x_bf16;
+    project_f32(w, wdtype, w_offset, in, nrows, x, n, out, ld, wbuf);
+}
+
 /* ---------------------------------------------------------------------------------------------------
  * 3. routing
  * ------------------------------------------------------------------------------------------------- */
 
+/* x32 = the input in fp32 (the router needs it), and for a bf16 x bf16 forward x16 = its bf16 rows. */
 static void convert_input(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, colibri_dtype_t act_dtype,
                           const void *input) {
     const int64_t H = ctx->cfg.hidden_size;
 #pragma omp parallel for num_threads(s->nthreads) schedule(static)
-    for (int64_t t = 0; t < T; t++) load_f32(s->x32 + t * s->hp, input, act_dtype, (uint64_t)(t * H), H);
+    for (int64_t t = 0; t < T; t++) {
+        load_f32(s->x32 + t * s->hp, input, act_dtype, (uint64_t)(t * H), H);
+        if (s->bf16_dot) memcpy(s->x16 + t * s->hp, (const uint16_t *)input + t * H, (size_t)H * sizeof(uint16_t));
+    }
 }
 
 /* logits[t, e] = router_weight[e, :] . x32[t, :] in fp32. */
@@ -259,7 +338,7 @@ static void router_logits(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
     for (int64_t b = 0; b < token_blocks * row_blocks; b++) {
         const int64_t t0 = b / row_blocks * TILE_TOKENS, e0 = b % row_blocks * ROW_BLOCK;
         project(ctx->router_weight, COLIBRI_DTYPE_F32, (uint64_t)(e0 * ctx->cfg.hidden_size), ctx->cfg.hidden_size,
-                (int)min64(ROW_BLOCK, E - e0), s->token_rows + t0, min64(TILE_TOKENS, T - t0),
+                (int)min64(ROW_BLOCK, E - e0), (const void *const *)s->token_rows + t0, 0, min64(TILE_TOKENS, T - t0),
                 s->logits + t0 * E + e0, E, s->wbuf + (int64_t)omp_get_thread_num() * ROW_BLOCK * K_CHUNK);
     }
 }
@@ -367,7 +446,8 @@ static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, in
     for (int64_t p = 0; p < P; p++) {
         const int32_t pos = s->cursor[ids[p]]++;
         s->pair_of[pos] = (int32_t)p;
-        s->x_rows[pos] = s->token_rows[p / k];
+        s->x_rows[pos] = s->bf16_dot ? (const void *)(s->x16 + p / k * s->hp) : s->token_rows[p / k];
+        if (s->hidden) s->h_rows[pos] = s->bf16_dot ? (const void *)(s->hidden16 + pos * s->fp) : s->hidden + pos * s->fp;
     }
 }
 
@@ -385,7 +465,8 @@ static int64_t make_tasks(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
  * 5. expert FFN
  * ------------------------------------------------------------------------------------------------- */
 
-/* SWIGLU, first half: hidden[pos, :] = silu(gate x) * up x for every sorted pair position. */
+/* SWIGLU, first half: hidden[pos, :] = silu(gate x) * up x for every sorted pair position (hidden16 in
+ * bf16 for a bf16 x bf16 forward). */
 static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
     const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
     const int64_t ntasks = make_tasks(ctx, s, F), ld = 2 * ROW_BLOCK;
@@ -397,12 +478,16 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
         const int nrows = (int)min64(ROW_BLOCK, F - row0);
         const uint64_t gate = s->offsets[e] + (uint64_t)(row0 * H), up = gate + (uint64_t)(F * H);
         float *tile = s->tile + tid * P * ld, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
-        project(s->weights, ctx->cfg.weight_dtype, gate, H, nrows, s->x_rows + start, n, tile, ld, wbuf);
-        project(s->weights, ctx->cfg.weight_dtype, up, H, nrows, s->x_rows + start, n, tile + ROW_BLOCK, ld, wbuf);
+        project(s->weights, ctx->cfg.weight_dtype, gate, H, nrows, s->x_rows + start, s->bf16_dot, n, tile, ld, wbuf);
+        project(s->weights, ctx->cfg.weight_dtype, up, H, nrows, s->x_rows + start, s->bf16_dot, n, tile + ROW_BLOCK, ld,
+                wbuf);
         for (int32_t c = 0; c < n; c++) {
-            float *h = s->hidden + (start + c) * s->fp + row0;
-            const float *g = tile + c * ld, *u = g + ROW_BLOCK;
-            for (int r = 0; r < nrows; r++) h[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            float *g = tile + c * ld;
+            const float *u = g + ROW_BLOCK;
+            for (int r = 0; r < nrows; r++) g[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            const int64_t pos = start + c;
+            if (s->bf16_dot) store_f32(s->hidden16, COLIBRI_DTYPE_BF16, (uint64_t)(pos * s->fp + row0), g, nrows);
+            else memcpy(s->hidden + pos * s->fp + row0, g, (size_t)nrows * sizeof(float));
         }
     }
 }
@@ -410,7 +495,7 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
 /* y[pair, :] = W x for every pair, with W the out_features x in matrix that starts `skip` elements into
  * each expert (SWIGLU: down over the hidden rows; LINEAR: w over the input rows). */
 static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint64_t skip, int64_t in,
-                         const float *const *inputs) {
+                         const void *const *inputs) {
     const int64_t out = ctx->out_features, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
     const int64_t ntasks = make_tasks(ctx, s, out);
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
@@ -421,7 +506,7 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
         const int nrows = (int)min64(ROW_BLOCK, out - row0);
         float *tile = s->tile + tid * P * 2 * ROW_BLOCK, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
         project(s->weights, ctx->cfg.weight_dtype, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows,
-                inputs + start, n, tile, ROW_BLOCK, wbuf);
+                inputs + start, s->bf16_dot, n, tile, ROW_BLOCK, wbuf);
         for (int32_t c = 0; c < n; c++)
             memcpy(s->y + s->pair_of[start + c] * out + row0, tile + c * ROW_BLOCK, (size_t)nrows * sizeof(float));
     }
@@ -431,9 +516,9 @@ static void expert_ffn(const colibri_moe_context_t *ctx, cpu_state_t *s) {
     const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
     if (ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
         swiglu_gate_up(ctx, s);
-        project_to_y(ctx, s, (uint64_t)(2 * F * H), F, s->h_rows);
+        project_to_y(ctx, s, (uint64_t)(2 * F * H), F, (const void *const *)s->h_rows);
     } else {
-        project_to_y(ctx, s, 0, H, s->x_rows);
+        project_to_y(ctx, s, 0, H, (const void *const *)s->x_rows);
     }
 }
 
@@ -466,6 +551,7 @@ colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tok
                                      const void *input, const int32_t *topk_ids, const float *topk_weights,
                                      void *output) {
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    s->bf16_dot = HAVE_BF16_DOT && ctx->cfg.weight_dtype == COLIBRI_DTYPE_BF16 && act_dtype == COLIBRI_DTYPE_BF16;
     convert_input(ctx, s, num_tokens, act_dtype, input);
     if (!topk_ids) {
         colibri_status_t st = compute_routing(ctx, s, num_tokens, act_dtype, input, s->ids, s->weights_tk);
@@ -482,6 +568,7 @@ colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tok
 colibri_status_t colibri_cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                    const void *input, int32_t *topk_ids, float *topk_weights) {
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
+    s->bf16_dot = 0;
     convert_input(ctx, s, num_tokens, act_dtype, input);
     return compute_routing(ctx, s, num_tokens, act_dtype, input, topk_ids, topk_weights);
 }
@@ -499,6 +586,7 @@ void colibri_cpu_destroy(colibri_moe_context_t *ctx) {
     free(s->offsets);
     free(s->counts);
     free(s->x32);
+    free(s->x16);
     free(s->token_rows);
     free(s->logits);
     free(s->ids);
@@ -509,6 +597,7 @@ void colibri_cpu_destroy(colibri_moe_context_t *ctx) {
     free(s->x_rows);
     free(s->h_rows);
     free(s->hidden);
+    free(s->hidden16);
     free(s->y);
     free(s->tasks);
     free(s->wbuf);
@@ -547,10 +636,12 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     const int64_t E = cfg->num_experts, k = cfg->top_k, W = cfg->workspace_tokens, P = W * k;
     const int64_t H = cfg->hidden_size, F = cfg->intermediate_size, max_rows = H > F ? H : F;
     const int swiglu = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    const int bf16_dot_possible = HAVE_BF16_DOT && cfg->weight_dtype == COLIBRI_DTYPE_BF16;
     int failed = 0;
     s->offsets = alloc_zeroed(E, 1, sizeof *s->offsets, &failed);
     s->counts = alloc_zeroed(E, 1, sizeof *s->counts, &failed);
     s->x32 = alloc_zeroed(W, s->hp, sizeof(float), &failed);
+    s->x16 = bf16_dot_possible ? alloc_zeroed(W, s->hp, sizeof(uint16_t), &failed) : NULL;
     s->token_rows = alloc_zeroed(W, 1, sizeof *s->token_rows, &failed);
     s->logits = alloc_zeroed(W, E, sizeof(float), &failed);
     s->ids = alloc_zeroed(P, 1, sizeof *s->ids, &failed);
@@ -560,7 +651,8 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     s->pair_of = alloc_zeroed(P, 1, sizeof *s->pair_of, &failed);
     s->x_rows = alloc_zeroed(P, 1, sizeof *s->x_rows, &failed);
     s->h_rows = alloc_zeroed(P, 1, sizeof *s->h_rows, &failed);
-    s->hidden = alloc_zeroed(swiglu ? P : 1, s->fp, sizeof(float), &failed);
+    s->hidden = swiglu ? alloc_zeroed(P, s->fp, sizeof(float), &failed) : NULL;
+    s->hidden16 = swiglu && bf16_dot_possible ? alloc_zeroed(P, s->fp, sizeof(uint16_t), &failed) : NULL;
     s->y = alloc_zeroed(P, ctx->out_features, sizeof(float), &failed);
     s->tasks = alloc_zeroed(E, (max_rows + ROW_BLOCK - 1) / ROW_BLOCK, sizeof *s->tasks, &failed);
     s->wbuf = alloc_zeroed(s->nthreads, ROW_BLOCK * K_CHUNK, sizeof(float), &failed);
@@ -575,6 +667,5 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     }
     memcpy(s->offsets, expert_offsets, (size_t)E * sizeof *s->offsets);
     for (int64_t t = 0; t < W; t++) s->token_rows[t] = s->x32 + t * s->hp;
-    for (int64_t p = 0; p < P && swiglu; p++) s->h_rows[p] = s->hidden + p * s->fp;
     return COLIBRI_OK;
 }
