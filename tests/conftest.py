@@ -1,9 +1,14 @@
 """Shared fixtures. Inputs are drawn fresh each run; the seed is printed in the header and can be
 replayed with COLIBRI_TEST_SEED=<seed>."""
 import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+
+import colibri
 
 SEED = int(os.environ.get("COLIBRI_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
 
@@ -16,3 +21,15 @@ def pytest_report_header(config):
 def rng(request):
     # One stream per test, derived from the run's seed and the test's id, so a failure replays alone.
     return np.random.default_rng([SEED, *request.node.nodeid.encode()])
+
+
+@pytest.fixture
+def colibri_cli():
+    """Runs `python -m colibri ARGS...` from another directory, finding this colibri package."""
+    package_parent = str(pathlib.Path(colibri.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
+                              cwd="/", env=env, timeout=120)
+    return run

@@ -2,10 +2,7 @@
 safetensors library when installed), memory-mapped weights used in place, the demo writer, and every
 malformed file refused with a message naming the file and the problem."""
 import json
-import pathlib
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -53,7 +50,7 @@ def test_cross_check_with_safetensors_library(rng, tmp_path):
     assert mine.metadata == {"k": "v"} and (mine.get("a") == np.arange(10)).all() and (mine.get("b") == router).all()
 
 
-def test_demo_writer_and_cli(rng, tmp_path):
+def test_demo_writer_and_cli(rng, tmp_path, colibri_cli):
     path = tmp_path / "demo.colibri.safetensors"
     config = checkpoint.write_demo(path)
     assert (config.num_experts, config.top_k, config.hidden_size, config.intermediate_size, config.weight_dtype) == \
@@ -68,14 +65,13 @@ def test_demo_writer_and_cli(rng, tmp_path):
     assert 0.1 < np.abs(ref).std() < 10  # activations stay O(1)
 
     other = tmp_path / "cli.colibri.safetensors"
-    result = subprocess.run([sys.executable, "-m", "colibri", "demo", "--out", str(other), "--experts", "4",
-                             "--top-k", "1", "--hidden", "32", "--intermediate", "48", "--dtype", "fp16", "--seed", "3",
-                             "--routing", "sigmoid_bias", "--kind", "linear"], capture_output=True, text=True, cwd="/")
+    result = colibri_cli("demo", "--out", other, "--experts", 4, "--top-k", 1, "--hidden", 32, "--intermediate", 48,
+                         "--dtype", "fp16", "--seed", 3, "--routing", "sigmoid_bias", "--kind", "linear")
     assert result.returncode == 0, result.stderr
     loaded = checkpoint.load(other)
     assert (loaded.config.expert_kind, loaded.config.weight_dtype, loaded.config.routing, loaded.router_bias.shape) == \
         ("linear", "fp16", "sigmoid_bias", (4,))
-    info = subprocess.run([sys.executable, "-m", "colibri", "info", str(other)], capture_output=True, text=True, cwd="/")
+    info = colibri_cli("info", other)
     assert info.returncode == 0 and "sigmoid_bias" in info.stdout and "[4, 1536]" in info.stdout
 
 

@@ -6,8 +6,6 @@ non-MoE layers, group-limited routing, inconsistent dtypes)."""
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -96,23 +94,18 @@ def check_packed(path, w, src_dtype, packed_dtype, expected, rng):
                  error_limit(src_dtype, packed_dtype), "packed layer vs the HF tensors")
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
-                          cwd="/", timeout=120)
-
-
-def test_mixtral_index_via_cli(rng, tmp_path):
+def test_mixtral_index_via_cli(rng, tmp_path, colibri_cli):
     w = hf_weights(rng, 8, 48, 40)
     src = write_hf(tmp_path / "mixtral", hf_tensors(w, "mixtral", "bf16"),
                    {"model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
                     "hidden_size": 48, "intermediate_size": 40}, shards=3)
     out = tmp_path / "mixtral.colibri.safetensors"
-    result = run_cli("pack", src / "model.safetensors.index.json", "--out", out)
+    result = colibri_cli("pack", src / "model.safetensors.index.json", "--out", out)
     assert result.returncode == 0, result.stderr
     assert "packing layer 1 experts" in result.stderr and "8/8" in result.stderr
     check_packed(out, w, "bf16", "bf16", dict(num_experts=8, top_k=2, hidden_size=48, intermediate_size=40,
                                               weight_dtype="bf16", routing="softmax_topk", renormalize=True), rng)
-    info = run_cli("info", out)
+    info = colibri_cli("info", out)
     assert info.returncode == 0 and "source_layout" in info.stdout and "mixtral" in info.stdout
 
 
@@ -143,7 +136,7 @@ def test_deepseek_sigmoid_bias(rng, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
-def test_fused_layout_single_file(rng, tmp_path, dtype):
+def test_fused_layout_single_file(rng, tmp_path, dtype, colibri_cli):
     w = hf_weights(rng, 4, 40, 24)
     folder = tmp_path / "fused"
     folder.mkdir()
@@ -152,7 +145,7 @@ def test_fused_layout_single_file(rng, tmp_path, dtype):
                                                     "norm_topk_prob": True, "hidden_size": 40,
                                                     "moe_intermediate_size": 24}))
     out = tmp_path / "fused.colibri.safetensors"
-    result = run_cli("pack", folder / "model.safetensors", "--out", out, "--dtype", dtype, "--quiet")
+    result = colibri_cli("pack", folder / "model.safetensors", "--out", out, "--dtype", dtype, "--quiet")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     packed = "fp32" if dtype == "keep" else dtype
@@ -186,9 +179,9 @@ def small_qwen(rng, tmp_path, mutate=None, config=None, dtype="fp32"):
 
 @pytest.mark.parametrize("shared", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
                                     "mlp.shared_expert_gate.weight"])
-def test_shared_experts_refused(rng, tmp_path, shared):
+def test_shared_experts_refused(rng, tmp_path, shared, colibri_cli):
     src = small_qwen(rng, tmp_path, lambda t: t.update({f"model.layers.1.{shared}": ("F32", np.zeros((8, 16), np.float32))}))
-    result = run_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
+    result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
     assert result.returncode == 1
     assert "shared experts are not supported yet" in result.stderr and shared in result.stderr
     assert not (tmp_path / "x.colibri.safetensors").exists()
@@ -232,13 +225,13 @@ def test_config_mismatch_and_missing_top_k(rng, tmp_path):
     assert pack(src, tmp_path / "x.colibri.safetensors", top_k=2, progress=False).top_k == 2
 
 
-def test_pickles_refused(tmp_path):
+def test_pickles_refused(tmp_path, colibri_cli):
     folder = tmp_path / "pt"
     folder.mkdir()
     (folder / "pytorch_model.bin").write_bytes(b"PK\x03\x04 not really a zip")
     (folder / "config.json").write_text("{}")
     for src in (folder, folder / "pytorch_model.bin"):
-        result = run_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
+        result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
         assert result.returncode == 1 and "never loads" in result.stderr and "pickle" in result.stderr
 
 

@@ -364,7 +364,7 @@ def current_stream(kind: str, device_id: int) -> int:
 def _synchronize(stream: int, device_id: int) -> None:
     library = _cuda_library()
     if library.__name__ == "cupy":
-        library.cuda.ExternalStream(stream, device_id).synchronize()
+        library.cuda.runtime.streamSynchronize(stream)
     else:
         library.cuda.ExternalStream(stream, device=library.device("cuda", device_id)).synchronize()
 
