@@ -236,11 +236,11 @@ static void project_f32(const void *w, colibri_dtype_t wdtype, uint64_t w_offset
             for (int64_t i = len; i < padded; i++) dst[i] = 0.0f; /* x is zero there too; keeps NaN weights out */
         }
         const int accumulate = i0 > 0;
-        for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
-            const int nt = (int)min64(TILE_TOKENS, n - c0);
-            for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) {
-                const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
-                const float *wr = wbuf + (int64_t)r0 * K_CHUNK;
+        for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) { /* 4 rows stay in L1 while the tokens stream by */
+            const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
+            const float *wr = wbuf + (int64_t)r0 * K_CHUNK;
+            for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
+                const int nt = (int)min64(TILE_TOKENS, n - c0);
                 float *o = out + c0 * ld + r0;
                 switch (nt) {
                 case 4: dot_tile(4, x + c0, i0, wr, padded, o, ld, nr, accumulate); break;
@@ -260,34 +260,50 @@ static void project_f32(const void *w, colibri_dtype_t wdtype, uint64_t w_offset
  * of a memory-mapped file is there); x rows are zero-padded to ROW_PAD. */
 static ALWAYS_INLINE void dot_tile_bf16(const int nt, const void *const *x, const uint16_t *w, int64_t in, int nr,
                                         float *out, int64_t ld) {
-    const uint16_t *wr[4], *xc[4];
-    for (int r = 0; r < 4; r++) wr[r] = w + (r < nr ? r : 0) * in; /* missing rows repeat row 0, unstored */
-    for (int c = 0; c < nt; c++) xc[c] = (const uint16_t *)x[c];
-    __m512 acc[4][4];
-    for (int c = 0; c < nt; c++)
-        for (int r = 0; r < 4; r++) acc[c][r] = _mm512_setzero_ps();
+    /* missing rows repeat row 0 and are not stored; missing tokens repeat token 0 and are not computed */
+    const uint16_t *w0 = w, *w1 = w + (nr > 1 ? in : 0), *w2 = w + (nr > 2 ? 2 * in : 0), *w3 = w + (nr > 3 ? 3 * in : 0);
+    const uint16_t *x0 = (const uint16_t *)x[0], *x1 = (const uint16_t *)x[nt > 1],
+                   *x2 = (const uint16_t *)x[nt > 2 ? 2 : 0], *x3 = (const uint16_t *)x[nt > 3 ? 3 : 0];
+    /* named accumulators, not an array: the compiler keeps all 16 in registers */
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int64_t i = 0; i < in; i += 32) {
         const __mmask32 m = in - i >= 32 ? 0xffffffffu : (1u << (in - i)) - 1u;
-        __m512bh wv[4];
-        for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[r] + i);
-        for (int c = 0; c < nt; c++) {
-            const __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(xc[c] + i));
-            for (int r = 0; r < 4; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], xv, wv[r]);
+        const __m512bh v0 = (__m512bh)_mm512_maskz_loadu_epi16(m, w0 + i), v1 = (__m512bh)_mm512_maskz_loadu_epi16(m, w1 + i),
+                       v2 = (__m512bh)_mm512_maskz_loadu_epi16(m, w2 + i), v3 = (__m512bh)_mm512_maskz_loadu_epi16(m, w3 + i);
+        __m512bh xv = (__m512bh)_mm512_load_si512((const void *)(x0 + i));
+        a00 = _mm512_dpbf16_ps(a00, xv, v0), a01 = _mm512_dpbf16_ps(a01, xv, v1);
+        a02 = _mm512_dpbf16_ps(a02, xv, v2), a03 = _mm512_dpbf16_ps(a03, xv, v3);
+        if (nt > 1) {
+            xv = (__m512bh)_mm512_load_si512((const void *)(x1 + i));
+            a10 = _mm512_dpbf16_ps(a10, xv, v0), a11 = _mm512_dpbf16_ps(a11, xv, v1);
+            a12 = _mm512_dpbf16_ps(a12, xv, v2), a13 = _mm512_dpbf16_ps(a13, xv, v3);
+        }
+        if (nt > 2) {
+            xv = (__m512bh)_mm512_load_si512((const void *)(x2 + i));
+            a20 = _mm512_dpbf16_ps(a20, xv, v0), a21 = _mm512_dpbf16_ps(a21, xv, v1);
+            a22 = _mm512_dpbf16_ps(a22, xv, v2), a23 = _mm512_dpbf16_ps(a23, xv, v3);
+        }
+        if (nt > 3) {
+            xv = (__m512bh)_mm512_load_si512((const void *)(x3 + i));
+            a30 = _mm512_dpbf16_ps(a30, xv, v0), a31 = _mm512_dpbf16_ps(a31, xv, v1);
+            a32 = _mm512_dpbf16_ps(a32, xv, v2), a33 = _mm512_dpbf16_ps(a33, xv, v3);
         }
     }
+    const __m512 sums[4][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}, {a20, a21, a22, a23}, {a30, a31, a32, a33}};
     for (int c = 0; c < nt; c++)
-        for (int r = 0; r < nr; r++) out[c * ld + r] = _mm512_reduce_add_ps(acc[c][r]);
+        for (int r = 0; r < nr; r++) out[c * ld + r] = _mm512_reduce_add_ps(sums[c][r]);
 }
 
-/* The bf16 x bf16 projection: weight rows stay where they are; a task's rows are re-read from cache by
- * each tile of tokens. */
+/* The bf16 x bf16 projection: weight rows are read where they are, 4 at a time, and stay in L1 while
+ * every tile of tokens streams by. */
 static void project_bf16(const uint16_t *w, int64_t in, int nrows, const void *const *x, int64_t n, float *out,
                          int64_t ld) {
-    for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
-        const int nt = (int)min64(TILE_TOKENS, n - c0);
-        for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) {
-            const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
-            const uint16_t *wr = w + (int64_t)r0 * in;
+    for (int r0 = 0; r0 < nrows; r0 += TILE_ROWS) {
+        const int nr = nrows - r0 < TILE_ROWS ? nrows - r0 : TILE_ROWS;
+        const uint16_t *wr = w + (int64_t)r0 * in;
+        for (int64_t c0 = 0; c0 < n; c0 += TILE_TOKENS) {
+            const int nt = (int)min64(TILE_TOKENS, n - c0);
             float *o = out + c0 * ld + r0;
             switch (nt) {
             case 4: dot_tile_bf16(4, x + c0, wr, in, nr, o, ld); break;
