@@ -440,12 +440,13 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
              dtype_name(adt), T);
     for (int rep = 0; rep < 3; rep++) {
         for (size_t i = 0; i < x.size(); i++) x[i] = put(hin.data(), adt, i, nd(rng));
+        /* st does not wait for the legacy stream: poison on st itself */
         CUDA_OK(cudaMemcpy(in, hin.data(), ibytes, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemset(out, 0xff, obytes));
+        CUDA_OK(cudaMemsetAsync(out, 0xff, obytes, st));
         CUDA_OK(cudaGraphLaunch(exec, st));
         CUDA_OK(cudaStreamSynchronize(st));
         CUDA_OK(cudaMemcpy(a.data(), out, obytes, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemset(out, 0xff, obytes));
+        CUDA_OK(cudaMemsetAsync(out, 0xff, obytes, st));
         COL_OK(colibri_moe_forward(ctx, T, adt, in, nullptr, nullptr, out, st));
         CUDA_OK(cudaStreamSynchronize(st));
         CUDA_OK(cudaMemcpy(b.data(), out, obytes, cudaMemcpyDeviceToHost));
@@ -475,7 +476,7 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     CUDA_OK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
     COL_OK(colibri_moe_context_expert_counts(ctx, counts.data(), 1));
-    CUDA_OK(cudaMemset(out, 0xff, obytes));
+    CUDA_OK(cudaMemsetAsync(out, 0xff, obytes, st));
     COL_OK(colibri_moe_forward(ctx, T, adt, in, d_ids, d_wts, out, st));
     const colibri_status_t flagged = colibri_moe_context_take_device_error(ctx);
     const colibri_status_t cleared = colibri_moe_context_take_device_error(ctx);

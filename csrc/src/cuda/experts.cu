@@ -246,10 +246,9 @@ colibri_status_t colibri_cuda_experts_setup(void) {
     return COLIBRI_OK;
 }
 
-/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height: the smallest that holds the
- * mean assignments per expert. A fuller tile wastes tensor-core work on padding rows, which is what
- * limits a memory-bound layer once the tile is mostly padding; an expert that overflows into a second
- * tile re-reads its weights from L2, since its tiles run side by side (adjacent blockIdx.x). */
+/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height, ~1.5x the mean assignments
+ * per expert so that most experts fit in one tile and their weights are read once (measured: tiles of
+ * just the mean were slower, 1.42 vs 1.26 ms for Mixtral at T=64 - see csrc/dev/cuda/NOTES.md). */
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
@@ -257,7 +256,7 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
                               c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
     const int64_t assignments = num_tokens * c->top_k;
     if (!tensor_cores || assignments <= 4 * (int64_t)c->num_experts) return GEMV_GROUP;
-    const int64_t want = (assignments + c->num_experts - 1) / c->num_experts;
+    const int64_t want = (assignments * 3 / 2 + c->num_experts - 1) / c->num_experts;
     return want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
 }
 
