@@ -43,9 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _median_ms(fn, budget_s: float, min_reps: int = 5, max_reps: int = 500) -> float:
-    """Median wall time of fn() in ms: two warm-up calls, then at least min_reps calls and until the
-    budget is spent (or max_reps).
+def _time_ms(fn, budget_s: float, min_reps: int = 5, max_reps: int = 500) -> dict:
+    """Wall time of fn() in ms (median, min, repetitions): two warm-up calls, then at least min_reps
+    calls and until the budget is spent (or max_reps).
 
     Three thread pools share the cores here (Colibri's OpenMP, torch's own OpenMP, numpy's OpenBLAS) and
     each keeps its workers spinning for a while after a call; on a small machine those spinners steal
@@ -59,7 +59,7 @@ def _median_ms(fn, budget_s: float, min_reps: int = 5, max_reps: int = 500) -> f
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return {"median": 1e3 * statistics.median(times), "min": 1e3 * min(times), "reps": len(times)}
 
 
 def copy_bandwidth_gbps(torch, threads: int) -> tuple:
@@ -67,10 +67,10 @@ def copy_bandwidth_gbps(torch, threads: int) -> tuple:
     if torch is there, torch's (threads): the better of the two, and how it was measured."""
     src = np.ones(128 << 20, np.float32)
     dst = np.empty_like(src)
-    best = (2 * src.nbytes / (_median_ms(lambda: np.copyto(dst, src), 0.5) / 1e3) / 1e9, "numpy copyto, 1 thread")
+    best = (2 * src.nbytes / (_time_ms(lambda: np.copyto(dst, src), 0.5)["median"] / 1e3) / 1e9, "numpy copyto, 1 thread")
     if torch is not None:
         ts, td = torch.from_numpy(src), torch.from_numpy(dst)
-        gbps = 2 * src.nbytes / (_median_ms(lambda: td.copy_(ts), 0.5) / 1e3) / 1e9
+        gbps = 2 * src.nbytes / (_time_ms(lambda: td.copy_(ts), 0.5)["median"] / 1e3) / 1e9
         if gbps > best[0]:
             best = (gbps, f"torch copy_, {threads} threads")
     return best
@@ -134,7 +134,7 @@ def bench_shape(name, E, k, H, F, tokens, args, torch, rng):
         x_colibri = Tensor.from_numpy(x_bits, "bf16") if args.act == "bf16" else x
         ids, weights = _random_routing(rng, T, E, k)
         ours = layer.forward(x_colibri, ids, weights)
-        ours = bf16_to_float32(ours.numpy()) if args.act == "bf16" else ours
+        ours = ours.numpy() if args.act == "bf16" else ours  # Tensor.numpy() widens bf16 to fp32
         theirs = numpy_moe(x, ids, weights, w1, w3, w2)
         agreement = float(np.abs(ours - theirs).max() / max(np.abs(theirs).max(), 1e-30))
         # bf16 output rounding alone is up to 2^-8 of the largest value
@@ -142,14 +142,16 @@ def bench_shape(name, E, k, H, F, tokens, args, torch, rng):
             print(f"warning: {name} T={T}: Colibri and numpy differ by {agreement:.2e} (normalised)", file=sys.stderr)
 
         row = {"shape": name, "E": E, "k": k, "H": H, "F": F, "T": T, "agreement_vs_numpy": agreement}
-        row["colibri_ms"] = _median_ms(lambda: layer.forward(x_colibri, ids, weights), args.budget)
-        row["numpy_ms"] = _median_ms(lambda: numpy_moe(x, ids, weights, w1, w3, w2), args.budget)
-        row["torch_ms"] = None
+        timings = {"colibri": _time_ms(lambda: layer.forward(x_colibri, ids, weights), args.budget),
+                   "numpy": _time_ms(lambda: numpy_moe(x, ids, weights, w1, w3, w2), args.budget)}
         if torch is not None:
             tx = torch.from_numpy(x_bits.view(np.int16)).view(torch.bfloat16)
             tids, tweights = torch.from_numpy(ids).long(), torch.from_numpy(weights)
             with torch.inference_mode():
-                row["torch_ms"] = _median_ms(lambda: torch_moe(torch, tx, tids, tweights, tw1, tw3, tw2), args.budget)
+                timings["torch"] = _time_ms(lambda: torch_moe(torch, tx, tids, tweights, tw1, tw3, tw2), args.budget)
+        for impl in ("colibri", "torch", "numpy"):
+            row[f"{impl}_ms"] = timings[impl]["median"] if impl in timings else None
+        row["timings_ms"] = timings
         best_other = min(v for v in (row["numpy_ms"], row["torch_ms"]) if v is not None)
         row["speedup_vs_best"] = best_other / row["colibri_ms"]
         touched = len(np.unique(ids))

@@ -876,6 +876,12 @@ static void test_bad_input(void) {
         CHECK(ctx == NULL && error_mentions("CUDA"), "%s", colibri_last_error());
         CHECK(colibri_cuda_device_count() == 0, "no CUDA backend, yet %d devices", colibri_cuda_device_count());
         L.cfg.device = COLIBRI_DEVICE_CPU;
+    } else if (colibri_cuda_device_count() == 0) { /* built with CUDA, run where there is no GPU */
+        L.cfg.device = COLIBRI_DEVICE_CUDA;
+        const colibri_status_t st = layer_init(&L, &ctx);
+        CHECK(st != COLIBRI_OK && ctx == NULL && colibri_last_error()[0] != '\0',
+              "a CUDA context without a GPU: %s, \"%s\"", colibri_status_string(st), colibri_last_error());
+        L.cfg.device = COLIBRI_DEVICE_CPU;
     }
 
     /* forward and route on a good context */
