@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -77,8 +78,19 @@ def assert_close(output, expected):
 
 
 def model_stats(server):
-    stats = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/stats"))["model_stats"][0]
-    return int(stats["execution_count"]), int(stats["inference_count"])
+    """(execution_count, inference_count) once settled: Triton records a request's statistics just
+    after it sends the response, so a read right after the last answer can miss it."""
+    def read():
+        stats = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/stats"))["model_stats"][0]
+        return int(stats["execution_count"]), int(stats["inference_count"])
+
+    previous = read()
+    while True:
+        time.sleep(0.2)
+        current = read()
+        if current == previous:
+            return current
+        previous = current
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,9 +125,11 @@ def test_concurrent_requests_are_batched_and_equal_single_requests(server, layer
         together = list(pool.map(send, [inputs for inputs, _ in requests]))
     executions_after, inferences_after = model_stats(server)
 
-    for batched, single in zip(together, alone):
+    for n, (batched, single) in enumerate(zip(together, alone)):
         # Each token's output depends on that token alone; batching may only change the rounding.
-        assert common.relative_error(batched, single.astype(np.float64)) <= 1e-5
+        error = common.relative_error(batched, single.astype(np.float64))
+        assert error <= 1e-5, (f"request {n} ({[a.shape for _, a, _ in requests[n][0]]}): batched output "
+                               f"{batched.shape} differs from the single one by {error:.2e}")
     assert inferences_after - inferences_before == sum(inputs[0][1].shape[0] for inputs, _ in requests)
     assert executions_after - executions_before < len(requests), "no two requests were batched together"
 
