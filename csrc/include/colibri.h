@@ -11,7 +11,10 @@
  * Expert kinds (weights row-major, as torch.nn.Linear.weight):
  *     SWIGLU: gate [F, H], up [F, H], down [H, F] back to back;  y = down(silu(gate x) * up x), width H
  *     LINEAR: w [F, H];                                           y = w x,                      width F
- * Arithmetic accumulates in fp32 whatever the storage dtypes.
+ * Dot products accumulate in fp32 whatever the storage dtypes. With 16-bit weights a backend may round
+ * the SWIGLU intermediate silu(gate x) * up x and each expert's output to the weight dtype between
+ * steps, as PyTorch does in bf16 (the CPU does so for bf16 x bf16, CUDA for 16-bit weights); the
+ * tests' error limits per dtype allow for it.
  *
  * Errors travel as values: every call returns a colibri_status_t; colibri_status_string() names it
  * and colibri_last_error() gives the message of the last failure on the calling thread. The library
