@@ -42,11 +42,13 @@ step build "libcolibri with the CUDA backend (sm_90)" make lib CUDA=1 CUDA_ARCH=
 step build "the cffi extension" python3 backend_src/colibri/_ffi_build.py --lib build/libcolibri.so
 step build "a demo checkpoint" python3 -m colibri demo --out "$work/weights.colibri.safetensors"
 
-python3 -m colibri serve --device gpu --weights "$work/weights.colibri.safetensors" \
-  --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$out/server.log" 2>&1 &
-server=$!
-step server "tritonserver ready with a GPU instance" python3 - <<'PY'
-import json, time, urllib.request
+serve() {  # serve DEVICE EXPECTED_KIND: starts `colibri serve --device DEVICE`, waits until ready and
+           # checks the instance kind Triton resolved; the launcher's pid lands in $server
+  python3 -m colibri serve --device "$1" --weights "$work/weights.colibri.safetensors" \
+    --http-port 8000 --grpc-port 8001 --metrics-port 8002 >> "$out/server.log" 2>&1 &
+  server=$!
+  step server "--device $1: tritonserver ready with $2" python3 - "$2" <<'PY'
+import json, sys, time, urllib.request
 for _ in range(600):
     try:
         with urllib.request.urlopen("http://127.0.0.1:8000/v2/models/colibri_moe/ready", timeout=2) as r:
@@ -59,9 +61,20 @@ else:
     raise SystemExit("not ready after 300 s")
 config = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v2/models/colibri_moe/config"))
 print(config["instance_group"])
-assert config["instance_group"][0]["kind"] == "KIND_GPU"
+assert config["instance_group"][0]["kind"] == sys.argv[1]
 PY
+}
 
+stop() {
+  kill -TERM "$server" 2>/dev/null
+  wait "$server"
+  echo "== server exit status $?" >> "$out/server.log"
+}
+
+# The repository's KIND_AUTO must become one GPU instance per GPU on a GPU host.
+serve auto KIND_GPU
+stop
+serve gpu KIND_GPU
 weights=(--weights "$work/weights.colibri.safetensors")
 step grpc_client "gRPC client, T=7" python3 client/grpc_client.py "${weights[@]}"
 step grpc_client "gRPC client, T=512" python3 client/grpc_client.py "${weights[@]}" --tokens 512
@@ -69,9 +82,7 @@ step cuda_shm_client "CUDA shared-memory client, T=7" python3 client/cuda_shm_cl
 step cuda_shm_client "CUDA shared-memory client, T=512" python3 client/cuda_shm_client.py "${weights[@]}" --tokens 512
 step server "metrics" bash -c "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8002/metrics\").read().decode())' > '$out/metrics.txt' && grep -q '^colibri_expert_tokens_total' '$out/metrics.txt'"
 
-kill -TERM "$server" 2>/dev/null
-wait "$server"
-echo "server exit status $?" >> "$out/server.log"
+stop
 rm -rf "$work"
 echo "$([ $failed = 0 ] && echo PASS || echo FAIL): GPU serving check, logs in $out" | tee -a "$out/summary.txt"
 exit $failed

@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+import colibri
 from colibri import checkpoint, reference, serve
 from triton_server import REPO_ROOT, missing_reason, serving
 
@@ -237,6 +238,12 @@ def test_metrics_count_tokens_per_expert(server, layer, rng):
     after, forwards_after = expert_metrics(server)
     assert [after[e] - before[e] for e in range(E)] == expected.tolist()
     assert forwards_after - forwards_before == 2
+
+
+def test_auto_instance_kind_follows_the_host(server):
+    config = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/config"))
+    expected = "KIND_GPU" if colibri.cuda_device_count() > 0 else "KIND_CPU"
+    assert [group["kind"] for group in config["instance_group"]] == [expected]
 
 
 def test_launcher_rewrites_instance_kind_and_activation_dtype():
