@@ -2,7 +2,7 @@
 # Fills .whl/ (git-ignored) with what client/gpu_check.sh needs on a GPU machine that reaches no
 # package registry (Python 3.12, torch, numpy 2 and safetensors already there): the packages below
 # as cp312 manylinux wheels, and the tritonserver of the nvidia-pytriton wheel packed for Python 3.12
-# by ../shared/tools/tritonserver-bundle.sh. About 57 MB in all: carry `.whl`.
+# by ../shared/tools/tritonserver-bundle.sh. About 55 MB in all: carry `.whl`.
 #   usage (from anywhere, with PyPI reachable): client/gpu_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
