@@ -1,0 +1,130 @@
+"""Headless Locust run against a Triton server that is already up (`make serve`), then the summary:
+Locust's CSVs (--csv, --csv-full-history), summary.json, latency.png and a table printed last.
+
+    python loadtest/run.py [--users 16 --time 60s --mix decode-heavy --protocols grpc,http ...]
+    make loadtest LOADTEST_USERS=16 LOADTEST_TIME=60s LOADTEST_PROFILE=decode-heavy
+
+It starts no server: when none is ready at --host it says so and exits 2. Exit status 1 when any
+request failed. bench/serving/compare.py runs its loads through run_load().
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import summary as load_summary  # noqa: E402  (beside this file)
+
+LOCUSTFILE = HERE / "locustfile.py"
+USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser"}
+
+
+class NotReady(RuntimeError):
+    pass
+
+
+def check_ready(host: str, model: str) -> None:
+    """Raises NotReady unless Triton at host (http://HOST:PORT) is up and serves model."""
+    for path, what in (("/v2/health/ready", "Triton"), (f"/v2/models/{model}/ready", f"model {model}")):
+        try:
+            with urllib.request.urlopen(host.rstrip("/") + path, timeout=5) as reply:
+                if reply.status == 200:
+                    continue
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        raise NotReady(f"{what} is not ready at {host}: start a server first (`make serve` in another "
+                       f"terminal) or point LOADTEST_HOST at one")
+
+
+def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_moe", users: int = 8,
+             run_time: str = "30s", mix: str = "decode-heavy", protocols=("grpc", "http"),
+             prefill_tokens: str = "128-2048", hidden: int = 0, steps: str = "", step_time: float = 10.0,
+             processes: int = 0, quiet: bool = False, title: str = "") -> dict:
+    """One Locust run into `out` (emptied of earlier samples first); returns the summary.
+
+    steps ("1,4,16") replaces users/run_time by a stepped ramp of step_time seconds each.
+    processes > 1 runs that many Locust worker processes (--processes), for when one load-generator
+    core is the bottleneck."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("samples-*.csv")) + list(out.glob("locust*")):
+        stale.unlink()
+    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *[USER_CLASSES[p] for p in protocols],
+               "--headless", "--host", host, "--users", str(users), "--spawn-rate", str(users),
+               "--run-time", run_time, "--stop-timeout", "30",
+               "--csv", str(out / "locust"), "--csv-full-history", "--json-file", str(out / "locust_final"),
+               "--model", model, "--mix", mix, "--prefill-tokens", prefill_tokens, "--samples-dir", str(out),
+               "--loglevel", "WARNING" if quiet else "INFO"]
+    if grpc_url:
+        command += ["--grpc-url", grpc_url]
+    if hidden:
+        command += ["--hidden", str(hidden)]
+    if processes > 1:
+        command += ["--processes", str(processes)]
+    env = dict(os.environ)
+    env.pop("LOADTEST_STEPS", None)
+    if steps:
+        env.update(LOADTEST_STEPS=steps, LOADTEST_STEP_TIME=str(step_time))
+    result = subprocess.run(command, env=env, cwd=HERE, capture_output=quiet, text=True)
+    if not list(out.glob("samples-*.csv")):
+        raise RuntimeError(f"locust wrote no samples (exit status {result.returncode})"
+                           + (f":\n{result.stdout[-3000:]}{result.stderr[-3000:]}" if quiet else ""))
+    summary = load_summary.write(out, "locust", title or (
+        f"{model}, users stepped {steps} ({step_time:g} s each)" if steps else f"{model}, {users} users, {run_time}")
+        + f", mix {mix}")
+    summary.update(model=model, users=users, mix=mix, protocols=list(protocols), locust_exit_status=result.returncode)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def parse_args(argv):
+    env = os.environ.get
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--host", default=env("LOADTEST_HOST", "http://127.0.0.1:8000"), help="Triton HTTP endpoint")
+    p.add_argument("--grpc-url", default=env("LOADTEST_GRPC_URL", ""), help="host:port (default: host, port 8001)")
+    p.add_argument("--model", default=env("LOADTEST_MODEL", "colibri_moe"))
+    p.add_argument("--users", type=int, default=int(env("LOADTEST_USERS", "16")))
+    p.add_argument("--time", default=env("LOADTEST_TIME", "60s"), help="Locust run time (30s, 2m)")
+    p.add_argument("--mix", default=env("LOADTEST_PROFILE", "decode-heavy"),
+                   help="decode-heavy, prefill-heavy, decode, prefill, or weights like decode:9,prefill:1")
+    p.add_argument("--protocols", default=env("LOADTEST_PROTOCOLS", "grpc,http"))
+    p.add_argument("--prefill-tokens", default=env("LOADTEST_PREFILL_TOKENS", "128-2048"))
+    p.add_argument("--steps", default=env("LOADTEST_STEPS", ""),
+                   help="stepped ramp, e.g. 1,4,16,64 users (replaces --users/--time)")
+    p.add_argument("--step-time", type=float, default=float(env("LOADTEST_STEP_TIME", "15")))
+    p.add_argument("--processes", type=int, default=int(env("LOADTEST_PROCESSES", "0")),
+                   help="Locust worker processes (gevent in each); 0: one process")
+    p.add_argument("--out", type=Path, default=Path(env("LOADTEST_OUT", "runs/loadtest")))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    protocols = [p for p in args.protocols.split(",") if p]
+    unknown = set(protocols) - set(USER_CLASSES)
+    if unknown or not protocols:
+        print(f"loadtest: --protocols takes {','.join(USER_CLASSES)}, got {args.protocols!r}", file=sys.stderr)
+        return 2
+    try:
+        check_ready(args.host, args.model)
+    except NotReady as exc:
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    summary = run_load(args.out.resolve(), host=args.host, grpc_url=args.grpc_url, model=args.model,
+                       users=args.users, run_time=args.time, mix=args.mix, protocols=protocols,
+                       prefill_tokens=args.prefill_tokens, steps=args.steps, step_time=args.step_time,
+                       processes=args.processes)
+    print(f"\nloadtest: {args.model} at {args.host}, mix {args.mix}, "
+          + (f"users stepped {args.steps} ({args.step_time:.0f} s each)" if args.steps else
+             f"{args.users} users for {args.time}")
+          + f"; files in {args.out}/ (summary.json, latency.png, locust_*.csv)")
+    print(load_summary.table(summary))
+    return 1 if summary["total"]["failures"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
