@@ -82,7 +82,8 @@ ctests: $(C_TESTS)
 $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest safetensors setuptools wheel
+	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest safetensors setuptools wheel \
+	  locust matplotlib
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	touch $@
 venv: $(VENV)/.installed
@@ -108,6 +109,19 @@ bench: venv lib
 	$(MAKE) --no-print-directory python
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m colibri bench
+
+# Headless Locust against a server already up (`make serve`; it starts none): Locust's CSVs,
+# summary.json, latency.png and the table, in LOADTEST_OUT. LOADTEST_STEPS=1,4,16,64 steps the users
+# (LOADTEST_STEP_TIME s each) for P99 against concurrency. Settings: loadtest/run.py --help.
+LOADTEST_HOST    ?= http://127.0.0.1:8000
+LOADTEST_TIME    ?= 60s
+LOADTEST_USERS   ?= 16
+LOADTEST_PROFILE ?= decode-heavy
+LOADTEST_OUT     ?= runs/loadtest
+.PHONY: loadtest
+loadtest: venv
+	$(PY) loadtest/run.py --host $(LOADTEST_HOST) --time $(LOADTEST_TIME) --users $(LOADTEST_USERS) \
+	  --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
 
 clean:
 	rm -rf $(BUILD) backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
