@@ -33,3 +33,21 @@ def colibri_cli():
         return subprocess.run([sys.executable, "-m", "colibri", *map(str, args)], capture_output=True, text=True,
                               cwd="/", env=env, timeout=120)
     return run
+
+
+@pytest.fixture(scope="session")
+def serving_weights(tmp_path_factory):
+    """The checkpoint the shared server serves: small, so serving on the CPU stays fast."""
+    from colibri import checkpoint
+    path = tmp_path_factory.mktemp("weights") / "test.colibri.safetensors"
+    checkpoint.write_demo(path, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=7)
+    return path
+
+
+@pytest.fixture(scope="session")
+def colibri_server(serving_weights, tmp_path_factory):
+    """One real tritonserver serving colibri_moe for the whole session (tests/triton_server.py),
+    shared by the serving tests and the load-test smoke so the suite starts it once."""
+    from triton_server import serving
+    with serving(serving_weights, tmp_path_factory.mktemp("logs")) as running:
+        yield running

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import colibri
-from colibri import checkpoint, reference, serve
+from colibri import reference, serve
 from triton_server import REPO_ROOT, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
@@ -28,10 +28,8 @@ TOKENS = 3
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("weights") / "test.colibri.safetensors"
-    checkpoint.write_demo(path, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=7)
-    return path
+def weights(serving_weights):
+    return serving_weights
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +38,8 @@ def layer(weights):
 
 
 @pytest.fixture(scope="module")
-def server(weights, tmp_path_factory):
-    with serving(weights, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def server(colibri_server):
+    return colibri_server  # one server for the session (conftest.py), shared with test_loadtest.py
 
 
 def grpc_infer(url, inputs):
