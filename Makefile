@@ -3,6 +3,7 @@
 #   make test       C tests + pytest suite (CPU; GPU tests run when a GPU is present)
 #   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
 #   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
+#   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
 #          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
 SHELL := /bin/bash
@@ -49,7 +50,7 @@ LIB_SO      := $(BUILD)/libcolibri.so
 LIB_A       := $(BUILD)/libcolibri.a
 C_TESTS     := $(patsubst csrc/tests/%.c,$(BUILD)/tests/%,$(wildcard csrc/tests/*.c))
 
-.PHONY: all lib ctests python venv test test-c test-py serve bench clean help
+.PHONY: all lib ctests python venv test test-c test-py serve bench clean help test-asan test-valgrind fuzz
 all: lib ctests python
 	@echo "colibri: CPU backend built; CUDA backend $(CUDA_STATE)"
 	@echo "colibri: $(LIB_SO) $(LIB_A) $(notdir $(C_TESTS)) $(if $(wildcard $(PY)),python extension,python extension not built (run make venv))"
@@ -82,7 +83,7 @@ ctests: $(C_TESTS)
 $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest safetensors setuptools wheel \
+	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest hypothesis safetensors setuptools wheel \
 	  locust matplotlib
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	touch $@
@@ -100,6 +101,34 @@ test-py: venv lib
 	$(PY) -m pytest -q tests
 
 test: test-c test-py
+
+# Memory and UB checks of the C library (CPU only), each build in its own folder. ASan keeps
+# CFLAGS_ARCH so the AVX512-BF16 path is checked too; valgrind cannot decode AVX-512, so its build
+# stops at AVX2. The fuzz target (csrc/fuzz/) needs clang's libFuzzer and libomp.
+SANITIZE     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+FUZZ_SECONDS ?= 60
+CLANG        ?= $(shell command -v clang 2>/dev/null || command -v clang-14 2>/dev/null)
+test-asan:
+	$(MAKE) --no-print-directory BUILD=build-asan CUDA=0 CFLAGS="-O1 -g $(CFLAGS_ARCH) -std=c99 -Wall -fPIC -fopenmp $(SANITIZE)" \
+	  LDLIBS="-lm -fopenmp $(SANITIZE)" test-c
+
+test-valgrind:
+	$(MAKE) --no-print-directory BUILD=build-valgrind CUDA=0 CFLAGS="-O2 -g -march=x86-64-v3 -std=c99 -Wall -fPIC -fopenmp" ctests
+	@set -e; for t in $(patsubst $(BUILD)/%,build-valgrind/%,$(C_TESTS)); do echo "== valgrind $$t"; \
+	  OMP_NUM_THREADS=2 valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect $$t; done
+
+build-fuzz/fuzz_moe: csrc/fuzz/fuzz_moe.c $(C_SRCS) csrc/src/cuda_stub.c $(HEADERS)
+	@mkdir -p $(dir $@)
+	@test -n "$(CLANG)" || { echo "colibri: make fuzz needs clang with libFuzzer (Debian: clang-14 libclang-rt-14-dev libomp-14-dev)"; exit 1; }
+	$(CLANG) -O1 -g $(CFLAGS_ARCH) -std=c99 -fopenmp $(CPPFLAGS) -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=all -Wno-pass-failed -o $@ $(filter %.c,$^) -lm
+
+fuzz: build-fuzz/fuzz_moe
+	@mkdir -p build-fuzz/corpus
+	@echo "== fuzz_moe for $(FUZZ_SECONDS) s (log: build-fuzz/fuzz.log)"
+	@build-fuzz/fuzz_moe -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 -artifact_prefix=build-fuzz/ \
+	  build-fuzz/corpus > build-fuzz/fuzz.log 2>&1 || { tail -60 build-fuzz/fuzz.log; exit 1; }
+	@grep -E "^INFO: Loaded|^#[0-9]+ +DONE|^stat::number_of_executed" build-fuzz/fuzz.log
 
 serve: venv lib
 	$(MAKE) --no-print-directory python
@@ -124,7 +153,7 @@ loadtest: venv
 	  --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
 
 clean:
-	rm -rf $(BUILD) backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
+	rm -rf $(BUILD) build-asan build-valgrind build-fuzz backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
 
 help:
 	@sed -n '2,8p' Makefile

@@ -53,9 +53,10 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(weights: Path, log_dir: Path, *serve_args):
-    """Yields a ready Server serving `weights`; stops it on exit, whatever happened inside."""
-    http_port, grpc_port, metrics_port = free_ports(3)
+def serving(weights: Path, log_dir: Path, *serve_args, ports=None):
+    """Yields a ready Server serving `weights` (on `ports`, else free ones); stops it on exit, whatever
+    happened inside."""
+    http_port, grpc_port, metrics_port = ports or free_ports(3)
     server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
     with open(server.log_path, "w") as log:
         launcher = subprocess.Popen(
