@@ -23,10 +23,12 @@ Settings, as Locust options or environment variables (defaults in brackets):
                                  concurrency in one run); without them -u/-t apply
 Pick the protocols by naming the user classes: `locust -f loadtest/locustfile.py GrpcUser HttpUser`.
 """
+import atexit
 import csv
 import os
 import random
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -204,9 +206,19 @@ _open_clients = set()
 
 
 @events.quit.add_listener
-def close_clients(**_kwargs):
+def close_clients(exit_code=0, **_kwargs):
     while _open_clients:
         _open_clients.pop().close()
+    # Even then, gRPC's clean-up at interpreter exit sometimes waits forever under gevent (seen here
+    # after runs that had ended cleanly, their files written). atexit runs after Locust has closed its
+    # files, and this handler, registered last, runs first: leave from there with Locust's status.
+    atexit.register(_leave, exit_code)
+
+
+def _leave(exit_code):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 class WrongAnswer(Exception):
