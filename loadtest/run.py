@@ -50,6 +50,7 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
     steps ("1,4,16") replaces users/run_time by a stepped ramp of step_time seconds each.
     processes > 1 runs that many Locust worker processes (--processes), for when one load-generator
     core is the bottleneck."""
+    out = out.resolve()  # locust runs in this folder
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("samples-*.csv")) + list(out.glob("locust*")):
         stale.unlink()
