@@ -115,7 +115,8 @@ test-asan:
 test-valgrind:
 	$(MAKE) --no-print-directory BUILD=build-valgrind CUDA=0 CFLAGS="-O2 -g -march=x86-64-v3 -std=c99 -Wall -fPIC -fopenmp" ctests
 	@set -e; for t in $(patsubst $(BUILD)/%,build-valgrind/%,$(C_TESTS)); do echo "== valgrind $$t"; \
-	  OMP_NUM_THREADS=2 valgrind -q --error-exitcode=99 --leak-check=full --errors-for-leak-kinds=definite,indirect $$t; done
+	  COLIBRI_TEST_QUICK=1 OMP_NUM_THREADS=2 valgrind -q --error-exitcode=99 --leak-check=full \
+	  --errors-for-leak-kinds=definite,indirect $$t; done
 
 build-fuzz/fuzz_moe: csrc/fuzz/fuzz_moe.c $(C_SRCS) csrc/src/cuda_stub.c $(HEADERS)
 	@mkdir -p $(dir $@)

@@ -156,8 +156,11 @@ class MoELayer:
         """Loads a packed *.colibri.safetensors checkpoint, memory-mapped (used in place on the CPU)."""
         from colibri.checkpoint import load
         ckpt = load(path)
-        return cls(ckpt.config, ckpt.experts, ckpt.router, ckpt.router_bias, device=device, device_id=device_id,
-                   workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file)
+        try:
+            return cls(ckpt.config, ckpt.experts, ckpt.router, ckpt.router_bias, device=device, device_id=device_id,
+                       workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file)
+        except ColibriError as error:  # e.g. a NaN in the router: say which file holds it
+            raise ColibriError(f"{path}: {error.args[0]}", error.status) from error
 
     def __repr__(self) -> str:
         return f"MoELayer({self.config}, device={self.device!r})"

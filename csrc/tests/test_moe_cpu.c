@@ -547,6 +547,9 @@ static void random_shape(int *E, int *k, int *H, int *F, int k_equals_E) {
 
 static void test_matrix(void) {
     matrix_stats_t stats = {{0, 0, 0}, 0, 0};
+    /* COLIBRI_TEST_QUICK (make test-valgrind, ~50x slower) leaves out T = 513, most of the run's time;
+     * test_chunking_and_determinism still covers forwards of several chunks. */
+    const size_t num_token_counts = sizeof TOKEN_COUNTS / sizeof TOKEN_COUNTS[0] - (getenv("COLIBRI_TEST_QUICK") != NULL);
     for (int rci = 0; rci < NUM_ROUTING_CASES; rci++) {
         const routing_case_t *rc = &ROUTING_CASES[rci];
         for (int kind = 0; kind < 2; kind++)
@@ -572,7 +575,7 @@ static void test_matrix(void) {
                 if (ctx) {
                     L.cfg.workspace_tokens = 256; /* the backend default, for the chunk count check */
                     for (int ai = 0; ai < 3; ai++)
-                        for (size_t ti = 0; ti < sizeof TOKEN_COUNTS / sizeof TOKEN_COUNTS[0]; ti++) {
+                        for (size_t ti = 0; ti < num_token_counts; ti++) {
                             char label[200];
                             snprintf(label, sizeof label, "[%s, %s, w %s, act %s, T=%d, E=%d k=%d H=%d F=%d]",
                                      rc->name, kind ? "linear" : "swiglu", dtype_name(DTYPES[wdi]),
