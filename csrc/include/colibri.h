@@ -132,7 +132,8 @@ colibri_status_t colibri_moe_context_init(
 /* Runs the layer on num_tokens tokens. Pointers are on the context's device. topk_ids and
  * topk_weights are given together or both NULL (then the router or routing_fn decides). Every element
  * of output is written. num_tokens == 0 is valid and does nothing. On the CPU, ids are checked
- * before any output is written. On CUDA the call only enqueues work on `stream` (a cudaStream_t;
+ * before any output is written; only a routing_fn failing on a later chunk (num_tokens above
+ * workspace_tokens) leaves the earlier chunks' output written. On CUDA the call only enqueues work on `stream` (a cudaStream_t;
  * NULL = the legacy default stream), never synchronises and allocates nothing, so it can be captured
  * in a CUDA graph; there an id out of range contributes nothing and is recorded (see
  * colibri_moe_context_take_device_error). */
