@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 import colibri
 from colibri import reference, serve
+from colibri.testing import error_limit
 from triton_server import REPO_ROOT, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
@@ -72,7 +73,7 @@ def good_request(layer, rng, tokens=TOKENS, explicit=True):
 
 
 def assert_close(output, expected):
-    assert common.relative_error(output, expected) <= common.TOLERANCE["fp32"]
+    assert common.relative_error(output, expected) <= error_limit("fp32")
 
 
 def model_stats(server):
