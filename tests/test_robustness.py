@@ -36,6 +36,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import colibri
 from colibri import checkpoint
+from colibri.testing import error_limit
 from triton_server import REPO_ROOT, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
@@ -89,7 +90,7 @@ class Oracle:
                 tensors += [Tensor("topk_ids", "INT32", ids), Tensor("topk_weights", "FP32", w)]
             expected = self.expected(tensors)
             reference = self.reference.expected(*[t.values for t in tensors])
-            assert common.relative_error(expected, reference) <= common.TOLERANCE["fp32"]
+            assert common.relative_error(expected, reference) <= error_limit("fp32")
             self.good.append((Request(tensors), expected))
         self.next_good = 0
 
