@@ -6,8 +6,11 @@ Every time is the median of many CUDA-event timings of one call, with L2 flushed
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30]
+                               [--compare old=build-old/libcolibri.so,...]
 
-Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding.
+Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
+times other builds of the library on the same inputs in the same run (old code against new), each
+loaded into its own ctypes handle with its own copy of the weights.
 """
 import argparse
 import ctypes
@@ -124,7 +127,7 @@ def grouped(x, router, w1t, w3t, w2t, k, renormalize):
     return out
 
 
-def bench_shape(lib, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
+def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
     torch.manual_seed(0)
     dt = torch.bfloat16
     w1 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
@@ -138,9 +141,11 @@ def bench_shape(lib, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
     cfg = Config(expert_kind=0, weight_dtype=2, num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
                  routing=0, renormalize=renorm, routed_scaling_factor=1.0, workspace_tokens=0, device=1, device_id=0,
                  num_threads=0, routing_fn=None, routing_user_data=None)
-    ctx = ctypes.c_void_p()
-    check(lib, lib.colibri_moe_context_init(ctypes.byref(ctx), ctypes.byref(cfg), packed.data_ptr(), offsets,
-                                            packed.numel(), router_host.data_ptr(), None), "init")
+    ctxs = {}
+    for label, l in [("", lib)] + others:
+        ctxs[label] = ctypes.c_void_p()
+        check(l, l.colibri_moe_context_init(ctypes.byref(ctxs[label]), ctypes.byref(cfg), packed.data_ptr(), offsets,
+                                            packed.numel(), router_host.data_ptr(), None), f"init {label}")
     del packed
     w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
     expert_bytes = per_expert * 2
@@ -149,19 +154,29 @@ def bench_shape(lib, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
             x = torch.randn(T, H, device="cuda", dtype=dt)
             out = torch.empty_like(x)
 
-            def colibri_call():
-                check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
+            def capture(l, ctx):
+                def call():
+                    check(l, l.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
                                                    torch.cuda.current_stream().cuda_stream), "forward")
 
-            colibri_call()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                colibri_call()
-            graph.replay()
-            torch.cuda.synchronize()
-            check(lib, lib.colibri_moe_context_take_device_error(ctx), "device error")
+                call()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    call()
+                graph.replay()
+                torch.cuda.synchronize()
+                check(l, l.colibri_moe_context_take_device_error(ctx), "device error")
+                return graph
+
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)
+            compare = {}
+            for label, l in others:
+                graph = capture(l, ctxs[label])
+                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                compare[label] = dict(colibri_ms=timer(graph.replay), rel_err_vs_eager=err)
+                del graph
+            graph = capture(lib, ctxs[""])
             rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             t_col = timer(graph.replay)
             t_eager = timer(lambda: hf_eager(x, router, w1, w3, w2, k, renorm))
@@ -177,13 +192,20 @@ def bench_shape(lib, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
             row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, colibri_ms=t_col, eager_ms=t_eager, grouped_ms=t_grouped,
                        floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col, speedup_vs_eager=t_eager / t_col,
                        speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err)
+            for c in compare.values():
+                c["fraction_of_floor"] = floor_ms / c["colibri_ms"]
+            if compare:
+                row["compare"] = compare
             rows.append(row)
             print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {row['speedup_vs_eager']:7.2f} "
-                  f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}",
-                  flush=True)
+                  f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}"
+                  + "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build x{c['colibri_ms'] / t_col:.2f}"
+                            for lb, c in compare.items()), flush=True)
             del graph
     finally:
-        lib.colibri_moe_context_destroy(ctx)
+        for label, l in [("", lib)] + others:
+            if label in ctxs:
+                l.colibri_moe_context_destroy(ctxs[label])
 
 
 def main():
@@ -192,8 +214,10 @@ def main():
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
     args = ap.parse_args()
     lib = load_lib(args.lib)
+    others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
     timer = Timer(args.reps)
     copy_bw, mm_rate = ceilings(timer)
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
@@ -203,7 +227,7 @@ def main():
     wanted = args.shapes.split(",")
     for shape in SHAPES:
         if shape[0] in wanted:
-            bench_shape(lib, timer, *shape, copy_bw, mm_rate, rows)
+            bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows)
             torch.cuda.empty_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate,

@@ -109,7 +109,7 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
     colibri_status_t st = colibri_cuda_permute_setup(b, cfg->num_experts);
     if (st != COLIBRI_OK) return st;
-    st = colibri_cuda_experts_setup();
+    st = colibri_cuda_experts_setup(b);
     if (st != COLIBRI_OK) return st;
     COLIBRI_CUDA_CHECK(cudaDeviceSynchronize());
     ctx->cfg.workspace_tokens = (int32_t)tokens;

@@ -55,6 +55,7 @@ struct CudaBackend {
     void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
     void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
+    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
     size_t permute_smem;
 };
 
@@ -152,7 +153,7 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
 colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
                                              colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream);
 /* experts.cu */
-colibri_status_t colibri_cuda_experts_setup(void);
+colibri_status_t colibri_cuda_experts_setup(CudaBackend *b);
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input);
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,

@@ -5,11 +5,12 @@
  *  - few tokens per expert (decode) or fp32 weights: gemv.cuh, which streams each touched expert's
  *    weights once, SWIGLU's gate and up rows in the same pass;
  *  - many tokens per expert (prefill), 16-bit weights: a tensor-core GEMM, mma.sync m16n8k16 (sm_80
- *    and sm_90), BM x 128 x 32 tiles, 4-stage cp.async pipeline into XOR-swizzled shared memory,
- *    ldmatrix fragments. Token rows are gathered through perm in the loads (no gathered copy of x);
- *    for SWIGLU one block computes the gate and the up tile of the same columns and writes
- *    silu(g) * u in the epilogue. BM follows the tokens per expert so that a tile's weights are read
- *    once per expert at moderate T.
+ *    and sm_90), BM x 128 x BK tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared
+ *    memory, ldmatrix fragments. BK is 64 (128 contiguous bytes of each weight row per load) for the
+ *    memory-bound tiles where three stages of it still fit twice per SM, else 32 (see mma_bk). Token rows are gathered
+ *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
+ *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
+ *    per expert so that a tile's weights are read once per expert at moderate T.
  * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order.
  */
 #include <type_traits>
@@ -17,10 +18,9 @@
 #include "gemv.cuh"
 
 #define MMA_BN 128
-#define MMA_BK 32
-#define MMA_STAGES 4
 #define MMA_THREADS 256
-#define MMA_ROW_BYTES (MMA_BK * 2) /* one smem row: 32 16-bit elements = four 16-byte chunks */
+/* Shared memory one block may take so that two fit on an H200 SM (228 KB, 1 KB reserved per block). */
+#define MMA_SMEM_TWO_PER_SM (113 * 1024)
 
 struct MmaArgs {
     const char *w;            /* first matrix of expert 0: [N, K] */
@@ -35,9 +35,13 @@ struct MmaArgs {
     const int32_t *num_tiles;
 };
 
-/* Chunk c (16 bytes) of row r lives at chunk c ^ ((r >> 1) & 3): the 8 rows one ldmatrix phase reads
- * then hit 8 different 16-byte bank groups although a row is only 64 bytes. */
-__device__ __forceinline__ uint32_t swz(int r, int c) { return (uint32_t)(r * MMA_ROW_BYTES + ((c ^ ((r >> 1) & 3)) << 4)); }
+/* One smem row holds BK 16-bit elements. Chunk c (16 bytes) of row r lives at chunk c ^ (r & 7) for
+ * 128-byte rows and c ^ ((r >> 1) & 3) for 64-byte rows: either way the 8 rows one ldmatrix phase reads
+ * hit 8 different 16-byte bank groups. */
+template <int BK> __device__ __forceinline__ uint32_t swz(int r, int c) {
+    if constexpr (BK == 64) return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
+    else return (uint32_t)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
+}
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
@@ -74,18 +78,35 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 }
 
 template <int BM> constexpr int mma_warps_m() { return BM >= 32 ? 2 : 1; }
-template <int BM, bool GLU> constexpr size_t mma_smem_bytes() {
-    return (size_t)MMA_STAGES * (BM + MMA_BN * (GLU ? 2 : 1)) * MMA_ROW_BYTES;
+template <int BM, bool GLU, int BK> constexpr size_t mma_stage_bytes() {
+    return (size_t)(BM + MMA_BN * (GLU ? 2 : 1)) * BK * 2;
+}
+/* A BK=32 stage reads only 64 contiguous bytes of each weight row, and the next piece of that row
+ * follows a k step later, by which time HBM has long closed the page: the memory-bound tiles (up to 64
+ * rows) streamed weights at about half of copy bandwidth. BK=64 doubles each run, where three stages
+ * of it still let two blocks share an SM (the bytes in flight per SM stay about the same): 1.6-1.7x
+ * at T=64 on the H200 (NOTES.md, v3). The GLU tiles of 64 rows keep BK=32 rather than drop to one
+ * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
+ * measured 2-7% slower there. */
+template <int BM, bool GLU> constexpr int mma_bk() {
+    return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
+}
+template <int BM, bool GLU, int BK> constexpr int mma_stages() {
+    return BK == 32 || 4 * mma_stage_bytes<BM, GLU, BK>() <= MMA_SMEM_TWO_PER_SM ? 4 : 3;
+}
+template <int BM, bool GLU, int BK> constexpr size_t mma_smem_bytes() {
+    return (size_t)mma_stages<BM, GLU, BK>() * mma_stage_bytes<BM, GLU, BK>();
 }
 
-template <class T, int BM, bool GLU>
+template <class T, int BM, bool GLU, int BK>
 __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
     constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = 8 / WARPS_M;
     constexpr int WTM = BM / WARPS_M, WTN = MMA_BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
-    constexpr int NMAT = GLU ? 2 : 1;
-    constexpr int A_CHUNKS = BM * 4, B_CHUNKS = MMA_BN * 4;
+    constexpr int NMAT = GLU ? 2 : 1, STAGES = mma_stages<BM, GLU, BK>();
+    constexpr int CPR = BK / 8; /* 16-byte chunks per smem row */
+    constexpr int A_CHUNKS = BM * CPR, B_CHUNKS = MMA_BN * CPR;
     constexpr int A_PER_T = (A_CHUNKS + MMA_THREADS - 1) / MMA_THREADS, B_PER_T = B_CHUNKS / MMA_THREADS;
-    constexpr uint32_t A_BYTES = BM * MMA_ROW_BYTES, B_BYTES = MMA_BN * MMA_ROW_BYTES;
+    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = MMA_BN * BK * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + NMAT * B_BYTES;
 
     pdl_begin();
@@ -103,34 +124,34 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
     bool a_ok[A_PER_T];
 #pragma unroll
     for (int i = 0; i < A_PER_T; i++) {
-        const int idx = tid + i * MMA_THREADS, r = idx >> 2, p = tile.begin + r;
+        const int idx = tid + i * MMA_THREADS, r = idx / CPR, p = tile.begin + r;
         a_ok[i] = idx < A_CHUNKS && p < tile.end;
         const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
-        a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + (idx & 3) * 8;
+        a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + (idx % CPR) * 8;
     }
     const T *b_src[NMAT][B_PER_T];
     bool b_ok[B_PER_T];
     const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
 #pragma unroll
     for (int i = 0; i < B_PER_T; i++) {
-        const int idx = tid + i * MMA_THREADS, n = n0 + (idx >> 2);
+        const int idx = tid + i * MMA_THREADS, n = n0 + idx / CPR;
         b_ok[i] = n < a.n;
 #pragma unroll
         for (int m = 0; m < NMAT; m++)
             b_src[m][i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k +
-                          (idx & 3) * 8;
+                          (idx % CPR) * 8;
     }
 
-    const int ktiles = (a.k + MMA_BK - 1) / MMA_BK;
+    const int ktiles = (a.k + BK - 1) / BK;
     auto load_stage = [&](int kt) {
-        const uint32_t st = sbase + (uint32_t)(kt % MMA_STAGES) * STAGE_BYTES;
-        const int k0 = kt * MMA_BK;
+        const uint32_t st = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES;
+        const int k0 = kt * BK;
 #pragma unroll
         for (int i = 0; i < A_PER_T; i++) {
             const int idx = tid + i * MMA_THREADS;
             if (idx < A_CHUNKS) {
-                const bool ok = a_ok[i] && k0 + (idx & 3) * 8 < a.k;
-                cp_async16(st + swz(idx >> 2, idx & 3), ok ? (const void *)(a_src[i] + k0) : a.x, ok);
+                const bool ok = a_ok[i] && k0 + (idx % CPR) * 8 < a.k;
+                cp_async16(st + swz<BK>(idx / CPR, idx % CPR), ok ? (const void *)(a_src[i] + k0) : a.x, ok);
             }
         }
 #pragma unroll
@@ -138,8 +159,8 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
 #pragma unroll
             for (int i = 0; i < B_PER_T; i++) {
                 const int idx = tid + i * MMA_THREADS;
-                const bool ok = b_ok[i] && k0 + (idx & 3) * 8 < a.k;
-                cp_async16(st + A_BYTES + m * B_BYTES + swz(idx >> 2, idx & 3),
+                const bool ok = b_ok[i] && k0 + (idx % CPR) * 8 < a.k;
+                cp_async16(st + A_BYTES + m * B_BYTES + swz<BK>(idx / CPR, idx % CPR),
                            ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
             }
         }
@@ -156,23 +177,23 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
                 for (int q = 0; q < 4; q++) acc[m][i][j][q] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < MMA_STAGES - 1; s++) {
+    for (int s = 0; s < STAGES - 1; s++) {
         if (s < ktiles) load_stage(s);
         cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
-        cp_async_wait<MMA_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        if (kt + MMA_STAGES - 1 < ktiles) load_stage(kt + MMA_STAGES - 1);
+        if (kt + STAGES - 1 < ktiles) load_stage(kt + STAGES - 1);
         cp_async_commit();
-        const uint32_t st = sbase + (uint32_t)(kt % MMA_STAGES) * STAGE_BYTES;
+        const uint32_t st = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES;
 #pragma unroll
-        for (int ks = 0; ks < 2; ks++) {
+        for (int ks = 0; ks < BK / 16; ks++) {
             uint32_t af[MI][4];
 #pragma unroll
             for (int i = 0; i < MI; i++) {
                 const int r = wm * WTM + i * 16 + (lane & 15);
-                ldmatrix_x4(st + swz(r, ks * 2 + (lane >> 4)), af[i]);
+                ldmatrix_x4(st + swz<BK>(r, ks * 2 + (lane >> 4)), af[i]);
             }
 #pragma unroll
             for (int m = 0; m < NMAT; m++) {
@@ -180,7 +201,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
                 for (int jp = 0; jp < NI / 2; jp++) {
                     uint32_t bf[4];
                     const int r = wn * WTN + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    ldmatrix_x4(st + A_BYTES + m * B_BYTES + swz(r, ks * 2 + ((lane >> 3) & 1)), bf);
+                    ldmatrix_x4(st + A_BYTES + m * B_BYTES + swz<BK>(r, ks * 2 + ((lane >> 3) & 1)), bf);
 #pragma unroll
                     for (int i = 0; i < MI; i++) {
                         mma16816<T>(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
@@ -214,35 +235,58 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
     }
 }
 
-template <class T, int BM, bool GLU> static cudaError_t mma_setup_one() {
-    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)mma_smem_bytes<BM, GLU>());
+template <class T, int BM, bool GLU, int BK> static cudaError_t mma_setup_one() {
+    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)mma_smem_bytes<BM, GLU, BK>());
 }
 
-template <class T, bool GLU> static cudaError_t mma_setup_all() {
+/* Every BK=32 kernel, and the BK=64 ones where mma_bk picks them and the device has the shared memory. */
+template <class T, int BM, bool GLU> static cudaError_t mma_setup_bm(bool wide_k) {
+    cudaError_t e = mma_setup_one<T, BM, GLU, 32>();
+    if constexpr (mma_bk<BM, GLU>() == 64)
+        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, 64>();
+    return e;
+}
+
+template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k) {
     cudaError_t e;
-    if ((e = mma_setup_one<T, 16, GLU>()) != cudaSuccess) return e;
-    if ((e = mma_setup_one<T, 32, GLU>()) != cudaSuccess) return e;
-    if ((e = mma_setup_one<T, 64, GLU>()) != cudaSuccess) return e;
-    return mma_setup_one<T, 128, GLU>();
+    if ((e = mma_setup_bm<T, 16, GLU>(wide_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 32, GLU>(wide_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 64, GLU>(wide_k)) != cudaSuccess) return e;
+    return mma_setup_bm<T, 128, GLU>(wide_k);
+}
+
+template <class T, int BM, bool GLU>
+static cudaError_t mma_launch_bm(const MmaArgs &a, dim3 grid, bool wide_k, cudaStream_t stream) {
+    if constexpr (mma_bk<BM, GLU>() == 64)
+        if (wide_k)
+            return colibri_launch(mma_kernel<T, BM, GLU, 64>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 64>(),
+                                  stream, a);
+    return colibri_launch(mma_kernel<T, BM, GLU, 32>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 32>(), stream, a);
 }
 
 template <class T, bool GLU>
-static cudaError_t mma_launch(const MmaArgs &a, int tile_m, int64_t slots, cudaStream_t stream) {
+static cudaError_t mma_launch(const MmaArgs &a, int tile_m, int64_t slots, bool wide_k, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
     switch (tile_m) {
-    case 16: return colibri_launch(mma_kernel<T, 16, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<16, GLU>(), stream, a);
-    case 32: return colibri_launch(mma_kernel<T, 32, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<32, GLU>(), stream, a);
-    case 64: return colibri_launch(mma_kernel<T, 64, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<64, GLU>(), stream, a);
-    default: return colibri_launch(mma_kernel<T, 128, GLU>, grid, dim3(MMA_THREADS), mma_smem_bytes<128, GLU>(), stream, a);
+    case 16: return mma_launch_bm<T, 16, GLU>(a, grid, wide_k, stream);
+    case 32: return mma_launch_bm<T, 32, GLU>(a, grid, wide_k, stream);
+    case 64: return mma_launch_bm<T, 64, GLU>(a, grid, wide_k, stream);
+    default: return mma_launch_bm<T, 128, GLU>(a, grid, wide_k, stream);
     }
 }
 
-colibri_status_t colibri_cuda_experts_setup(void) {
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>()));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>()));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>()));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>()));
+/* The BK=64 kernels take up to 3 * 288 rows * 128 bytes of shared memory per block: more than devices
+ * with about 100 KB per block (sm_86, sm_89) allow; those keep BK=32 everywhere. */
+colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
+    int optin = 0;
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, b->device));
+    b->mma_wide_k = (size_t)optin >= MMA_SMEM_TWO_PER_SM;
+    const bool w = b->mma_wide_k;
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>(w)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w)));
     return COLIBRI_OK;
 }
 
@@ -297,7 +341,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         a.out = out;
         a.tiles = b->tiles;
         a.num_tiles = b->num_tiles;
-        return mma_launch<TW, GLU>(a, tile_m, slots, stream);
+        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, stream);
     }
     return cudaErrorInvalidValue;
 }
