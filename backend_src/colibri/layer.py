@@ -19,14 +19,18 @@ ROUTINGS = tuple(ROUTING_CODES)
 EXPERT_KINDS = tuple(EXPERT_KIND_CODES)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """Shape and semantics of one MoE layer (see colibri.h for the routing definitions)."""
-    expert_kind: str = "swiglu"            # 'swiglu' | 'linear'
+    """Shape and semantics of one MoE layer (see colibri.h for the routing definitions).
+
+    Construct it with keywords. The fields without a default come first because the runtime must
+    import on Python 3.8 (tritonserver 22.12, the CUDA 11.8 image), which has no kw_only dataclasses;
+    positional arguments follow this order but are not part of the interface."""
     num_experts: int                       # E
     top_k: int                             # k
     hidden_size: int                       # H
     intermediate_size: int                 # F (linear: the output width)
+    expert_kind: str = "swiglu"            # 'swiglu' | 'linear'
     weight_dtype: str = "fp32"             # 'fp32' | 'fp16' | 'bf16'
     routing: str = "softmax_topk"          # 'softmax_topk' | 'topk_softmax' | 'sigmoid_bias'
     renormalize: bool = True

@@ -1,0 +1,206 @@
+"""What runs inside the CUDA 11.8 image must run on its Python 3.8.
+
+tritonserver 22.12 (docker/Dockerfile, CUDA_STACK=11) runs model.py in the image's own Python 3.8, and
+the entrypoint runs `python3 -m colibri demo` there; the build stage runs _ffi_build.py with the same
+Python. No 3.8 interpreter is at hand here (CI and developers run 3.10+), so vermin checks statically
+that those modules need nothing newer than 3.8: syntax, standard-library modules, functions and
+keyword arguments (dataclass(kw_only=...), str.removeprefix, functools.cache, zip(strict=), ...).
+vermin flags `X | None` even under `from __future__ import annotations`, so these modules spell
+Optional[X]. It cannot see everything (a `|` between two dict variables, an API of numpy or cffi that
+the 3.8 pins lack): those need review, or a run on the image.
+The developer tools (pack, bench, serve, testing, reference) and the tests may use 3.10+.
+"""
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "backend_src" / "colibri"
+MODEL_PY = REPO / "model_repository" / "colibri_moe" / "1" / "model.py"
+TARGET = "3.8"
+
+# What starts the walk: Triton imports model.py, the entrypoint runs __main__ (its demo command),
+# the build stage runs _ffi_build.py.
+ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py"]
+# Imported only for developer commands, which are documented as 3.10+ (backend_src/pyproject.toml).
+DEVELOPER_TOOLS = {"pack", "serve", "bench", "testing", "reference"}
+# The modules the walk must find, so that a change to how it reads imports cannot shrink the check.
+KNOWN_RUNTIME = {"__init__", "__main__", "_native", "_ffi_build", "dlpack", "dtypes", "layer", "checkpoint",
+                 "safetensors_io"}
+
+
+def colibri_imports(path):
+    """Names of colibri's modules a file imports anywhere in it (function bodies included, since
+    e.g. MoELayer.from_file imports checkpoint when called)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] != "colibri":
+                continue
+            found.add("__init__")
+            if len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").is_file():
+                found.add(parts[1])
+    return found
+
+
+def runtime_modules():
+    """Paths of the files the walk from ROOTS reaches, developer tools left out."""
+    seen, todo = set(), [p for p in ROOTS]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo.extend(PACKAGE / f"{name}.py" for name in colibri_imports(path) - DEVELOPER_TOOLS)
+    return sorted(seen)
+
+
+def vermin():
+    found = shutil.which("vermin") or shutil.which("vermin", path=str(Path(sys.executable).parent))
+    if not found:
+        pytest.skip("vermin not installed (pip install -c constraints.txt vermin)")
+    return found
+
+
+def run_vermin(files):
+    command = [vermin(), "--no-tips", "--violations", "--eval-annotations", "--feature", "union-types",
+               "--no-make-paths-absolute",
+               f"--target={TARGET}-", "--processes=1", *map(str, files)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_the_walk_finds_the_runtime_modules():
+    reached = {path.stem for path in runtime_modules() if path.parent == PACKAGE}
+    assert KNOWN_RUNTIME <= reached, f"not reached from model.py/__main__/_ffi_build: {KNOWN_RUNTIME - reached}"
+    assert not reached & DEVELOPER_TOOLS, reached
+
+
+def test_runtime_modules_need_at_most_python_3_8():
+    files = [path.relative_to(REPO) for path in runtime_modules()]
+    result = run_vermin(files)
+    assert result.returncode == 0, f"needs a Python newer than {TARGET}:\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize("source, feature", [
+    ("import dataclasses\n@dataclasses.dataclass(kw_only=True)\nclass C:\n    x: int\n", "kw_only"),
+    ("def f(x: int | None):\n    return x\n", "union types as `X | Y`"),
+    ("print('ab'.removeprefix('a'))\n", "removeprefix"),
+    ("import functools\n@functools.cache\ndef f():\n    return 1\n", "functools.cache"),
+    ("print(list(zip([1], [2], strict=True)))\n", "strict"),
+    ("print({1: 2} | {3: 4})\n", "dict union"),
+    ("def f() -> list[int]:\n    return []\n", "builtin generic type annotation"),
+])
+def test_vermin_catches_what_3_8_lacks(tmp_path, source, feature):
+    """The check above can fail: vermin flags each of these 3.9+/3.10+ features under the same options."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(source)
+    result = run_vermin([probe])
+    assert result.returncode != 0 and feature in result.stdout, result.stdout
+
+
+# ------------------------------------------------- model.py against the Python backend of 22.12
+
+class _Backend2212:
+    """What model.py uses of triton_python_backend_utils as tritonserver 22.12 has it: DLPack
+    tensors, Logger (22.09), TritonError(message) with no error codes (23.09) and no MetricFamily
+    (23.05)."""
+
+    class Tensor:
+        def __init__(self, name, array):
+            self._name, self.array = name, array
+
+        def name(self):
+            return self._name
+
+        def shape(self):
+            return list(self.array.shape)
+
+        def to_dlpack(self):
+            return self.array.__dlpack__()
+
+        @staticmethod
+        def from_dlpack(name, tensor):
+            import numpy as np
+            return _Backend2212.Tensor(name, np.from_dlpack(tensor).copy())
+
+    class TritonError:
+        def __init__(self, message):  # one argument only, as before 23.09
+            self.message = message
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=None, error=None):
+            self.output_tensors, self.error = output_tensors or [], error
+
+    class Logger:
+        messages = []
+
+        @classmethod
+        def log_info(cls, message):
+            cls.messages.append(message)
+
+        log_error = log_info
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.get(name)
+
+
+def test_model_py_serves_on_the_python_backend_of_22_12(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+
+    import numpy as np
+    try:
+        import colibri
+        from colibri import checkpoint
+    except ImportError as exc:
+        pytest.skip(f"colibri package not importable here ({exc}); `make python` builds it")
+    weights = tmp_path / "w.colibri.safetensors"
+    config = checkpoint.write_demo(weights, experts=4, top_k=2, hidden=16, intermediate=32, dtype="fp32")
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _Backend2212)
+    monkeypatch.setenv("COLIBRI_WEIGHTS", str(weights))
+    spec = importlib.util.spec_from_file_location("colibri_moe_model_2212", MODEL_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model_config = {"parameters": {"COLIBRI_WEIGHTS": {"string_value": str(weights)}}}
+    model.initialize({"model_config": json.dumps(model_config), "model_instance_kind": "CPU",
+                      "model_instance_device_id": "0", "model_repository": str(tmp_path), "model_version": "1",
+                      "model_name": "colibri_moe"})
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, config.hidden_size), np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    weights_in = np.full((3, 2), 0.5, np.float32)
+    bad_ids = ids.copy()
+    bad_ids[1, 0] = config.num_experts  # out of range: only this request may fail
+    requests = [{name: _Backend2212.Tensor(name, value) for name, value in
+                 (("hidden_states", x), ("topk_ids", i), ("topk_weights", weights_in))} for i in (ids, bad_ids)]
+    good, bad = model.execute(requests)
+
+    expected = colibri.MoELayer.from_file(weights).forward(x, ids, weights_in)
+    assert good.error is None and [t.name() for t in good.output_tensors] == ["output"]
+    np.testing.assert_array_equal(good.output_tensors[0].array, expected)
+    assert bad.error is not None and "topk_ids" in bad.error.message and not bad.output_tensors
+
+
+@pytest.mark.parametrize("command", ["pack", "serve", "bench"])
+def test_developer_commands_say_they_need_3_10(command, monkeypatch, capsys):
+    try:
+        from colibri import __main__ as cli
+    except ImportError as exc:
+        pytest.skip(f"colibri package not importable here ({exc}); `make python` builds it")
+    monkeypatch.setattr(sys, "version_info", (3, 8, 10, "final", 0))
+    assert cli.main([command, "--help"]) == 2
+    assert "needs Python 3.10 or newer" in capsys.readouterr().err
