@@ -70,18 +70,24 @@ class TritonPythonModel:
         self.batch = DeviceBatch(device_id) if on_gpu else HostBatch()
 
         labels = {"model": args["model_name"], "version": args["model_version"]}
+        # Custom metrics came to the Python backend in 23.05, histograms later still: tritonserver
+        # 22.12 (the CUDA 11.8 image) serves without the ones it lacks.
+        self.expert_tokens, self.forward_seconds = [], None
+        families = getattr(pb_utils, "MetricFamily", None)
         # The families must outlive their metrics: the backend refuses to update orphaned ones.
-        self.tokens_family = pb_utils.MetricFamily(
-            name="colibri_expert_tokens_total",
-            description="Tokens routed to each expert (one count per token and chosen expert)",
-            kind=pb_utils.MetricFamily.COUNTER)
-        self.expert_tokens = [self.tokens_family.Metric(labels={**labels, "expert": str(e)})
-                              for e in range(self.layer.config.num_experts)]
-        self.seconds_family = pb_utils.MetricFamily(
-            name="colibri_forward_seconds",
-            description="Time to compute one batch of requests: its MoE forwards until the device is done",
-            kind=pb_utils.MetricFamily.HISTOGRAM)
-        self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
+        if families is not None:
+            self.tokens_family = families(
+                name="colibri_expert_tokens_total",
+                description="Tokens routed to each expert (one count per token and chosen expert)",
+                kind=families.COUNTER)
+            self.expert_tokens = [self.tokens_family.Metric(labels={**labels, "expert": str(e)})
+                                  for e in range(self.layer.config.num_experts)]
+        if hasattr(families, "HISTOGRAM"):
+            self.seconds_family = families(
+                name="colibri_forward_seconds",
+                description="Time to compute one batch of requests: its MoE forwards until the device is done",
+                kind=families.HISTOGRAM)
+            self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
         pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
 
     def execute(self, requests):
@@ -96,7 +102,8 @@ class TritonPythonModel:
             self._run(members, responses)
         try:
             counts = self.layer.expert_counts(reset=True)  # on a GPU this waits for the forwards
-            self.forward_seconds.observe(time.perf_counter() - start)
+            if self.forward_seconds is not None:
+                self.forward_seconds.observe(time.perf_counter() - start)
             for metric, count in zip(self.expert_tokens, counts.tolist()):
                 if count:
                     metric.increment(count)
@@ -122,12 +129,15 @@ class TritonPythonModel:
                     self._run([member], responses)
             else:
                 invalid = exc.status == colibri.STATUS_INVALID_ARGUMENT
-                self._fail(members, responses, str(exc),
-                           pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL)
+                self._fail(members, responses, str(exc), "INVALID_ARG" if invalid else "INTERNAL")
         except Exception as exc:  # execute must not raise: that would fail every request of the batch
-            self._fail(members, responses, f"{type(exc).__name__}: {exc}", pb_utils.TritonError.INTERNAL)
+            self._fail(members, responses, f"{type(exc).__name__}: {exc}", "INTERNAL")
 
     @staticmethod
-    def _fail(members, responses, message, code):
+    def _fail(members, responses, message, code_name):
+        # Error codes came in 23.09; before (tritonserver 22.12, the CUDA 11.8 image), every error a
+        # model returns is INTERNAL, so a bad request answers HTTP 500 there instead of 400.
+        code = getattr(pb_utils.TritonError, code_name, None)
         for index, _ in members:
-            responses[index] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
+            error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+            responses[index] = pb_utils.InferenceResponse(error=error)
