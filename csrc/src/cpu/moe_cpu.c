@@ -42,8 +42,10 @@
 
 #if defined(__GNUC__) || defined(__clang__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
+#define NOINLINE __attribute__((noinline))
 #else
 #define ALWAYS_INLINE inline
+#define NOINLINE
 #endif
 
 #ifdef __AVX512BF16__
@@ -58,6 +60,10 @@ enum {
     TILE_ROWS = 4,
     ROW_BLOCK = 16,     /* weight rows per task (a multiple of TILE_ROWS) */
     K_CHUNK = 1024,     /* weight columns converted to fp32 at once (ROW_BLOCK x K_CHUNK floats) */
+    LANES = 16,         /* token-lane kernel (section 2b): tokens per vector, */
+    PHASES = 16,        /* the phases of dot_tile_bf16's order it reproduces, */
+    TILE_ACC = 16,      /* at most this many accumulator vectors per tile, */
+    TOKEN_LANES_MIN = 16, /* and an expert needs at least this many tokens to use it */
     DEFAULT_WORKSPACE_TOKENS = 256
 };
 
@@ -86,11 +92,17 @@ typedef struct {
     int32_t *pair_of;          /* [P] sorted position -> pair index t * k + j */
     const void **x_rows;       /* [P] sorted position -> its token's input row (x32 or x16) */
     const void **h_rows;       /* [P] sorted position -> its hidden row (hidden or hidden16) */
+    int32_t *lane_tokens;      /* [E] how many of expert e's tokens (its first) run in token lanes (section
+                                  2b); the others run dot_tile_bf16 on their rows */
+    int32_t *lane_vec;         /* [E] the first packed vector of those tokens */
+    uint32_t *x_packed;        /* [V, hp / 2 * LANES] expert inputs packed for token lanes (bf16 pairs) */
+    uint32_t *h_packed;        /* [V, fp / 2 * LANES] SWIGLU hidden packed the same way */
     float *hidden;             /* [P, fp] silu(gate x) * up x (SWIGLU), zero padding */
     uint16_t *hidden16;        /* [P, fp] the same in bf16 (SWIGLU with bf16 weights only) */
     float *y;                  /* [P, out_features] expert output of each pair, in pair order */
     task_t *tasks;             /* [E * ceil(max(F, H) / ROW_BLOCK)] */
-    float *wbuf;               /* [nthreads, ROW_BLOCK * K_CHUNK] converted weight chunk */
+    float *wbuf;               /* [nthreads, ROW_BLOCK * K_CHUNK] converted weight chunk; in a token-lane
+                                  projection the phase sums of a tile (PHASES * TILE_ACC vectors) */
     float *tile;               /* [nthreads, P * 2 * ROW_BLOCK] task outputs before the epilogue */
     float *route_scratch;      /* [nthreads, 2 * E + k] */
 } cpu_state_t;
@@ -351,6 +363,141 @@ static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, in
     project_f32(w, wdtype, w_offset, in, nrows, x, n, out, ld, wbuf);
 }
 
+/* ---- 2b. the bf16 x bf16 projection for many tokens: tokens in the vector lanes ----------------
+ *
+ * dot_tile_bf16 puts 16 pairs of one row in the lanes of a vector and must add the lanes together
+ * at the end of every (token, row) tile; with many tokens per expert those horizontal sums and its
+ * load-to-multiply ratio hold it well below the CPU's peak. Here the lanes are 16 TOKENS instead:
+ * the activations of an expert's tokens are repacked (they are small; the weights stay borrowed in
+ * place), each weight pair is broadcast to all lanes, and a tile of NR rows x NV vectors of tokens
+ * needs no horizontal sum at all.
+ *
+ * The result must be bitwise what dot_tile_bf16 gives, or an output would depend on how many other
+ * tokens its expert got in the same call (the kernel is chosen per expert by that count). So this
+ * kernel follows dot_tile_bf16's order of operations exactly: lane j of dot_tile_bf16 accumulates
+ * the pairs j, j + 16, j + 32, ... of the row in turn ("phase" j), and sum4 adds the 16 phases as
+ * ((s0 + s2) + (s1 + s3)) with s_b = (l[4b] + l[4b + 2]) + (l[4b + 1] + l[4b + 3]). The packed
+ * activations therefore hold each phase's pairs one after another (phase-major), the tile runs
+ * phase by phase into a small buffer, and the same tree adds the 16 phases. Pairs past the end of
+ * a row are skipped: in dot_tile_bf16 they multiply zeros and leave the sums as they are.
+ *
+ * Packed layout of K columns (K padded to Kp = round_up(K, ROW_PAD), M = Kp / 32 pairs per phase):
+ * one "vector" per 16 tokens, Kp / 2 slots of 16 lanes of uint32 (a bf16 pair of one token);
+ * pair p of token lane c sits in slot (p % 16) * M + p / 16, lane c. */
+static inline int64_t packed_slot(int64_t pair, int64_t M) { return pair % PHASES * M + pair / PHASES; }
+
+#if HAVE_BF16_DOT
+/* acc[r * NV + v] += pair r (a bf16 pair of weight row r, in every lane) . vector v of activations */
+static ALWAYS_INLINE void token_lane_step(const int NR, const int NV, __m512 *acc, const uint32_t *x, int64_t vec_stride,
+                                          const uint32_t *pair) {
+    __m512bh xv[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        xv[v] = (__m512bh)_mm512_load_si512((const void *)(x + v * vec_stride));
+        /* load each vector once: without this GCC reloads it for every row (it would rather
+         * repeat a load than hold a register) and the loads become the bottleneck */
+        __asm__("" : "+v"(xv[v]));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++) {
+        const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)pair[r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; v++) acc[r * NV + v] = _mm512_dpbf16_ps(acc[r * NV + v], xv[v], wv);
+    }
+}
+
+/* One tile: NR rows (nr of them real, the rest repeat row 0 and are not stored) x NV vectors of
+ * tokens (nt real tokens from the first), all of each row's `in` columns. out[c * ld + r] as in
+ * project; phase is a [PHASES][NR * NV] scratch of vectors. */
+static ALWAYS_INLINE void token_lane_tile(const int NR, const int NV, const uint32_t *x, int64_t vec_stride,
+                                          const uint16_t *w, int64_t in, int nr, int64_t nt, float *out,
+                                          int64_t ld, __m512 *phase) {
+    const int64_t M = round_up(in, ROW_PAD) / 32;
+    const uint16_t *row[16];
+    for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : 0) * in;
+    for (int j = 0; j < PHASES; j++) {
+        /* pairs j + 16 m with both columns inside the row: m < full; a last half pair when in is odd */
+        const int64_t full = in - 2 * j >= 2 ? (in - 2 * j - 2) / 32 + 1 : 0;
+        const int half = full < M && 32 * full + 2 * j == in - 1;
+        const uint32_t *xj = x + j * M * LANES;
+        __m512 acc[TILE_ACC];
+#pragma GCC unroll 16
+        for (int a = 0; a < NR * NV; a++) acc[a] = _mm512_setzero_ps();
+        int64_t m = 0;
+        for (; m < full; m++) {
+            /* the weights stream from memory: fetch the next NR rows at an even pace over the 16 phases */
+            _mm_prefetch((const char *)(w + NR * in + (j * M + m) * NR / PHASES * 32), _MM_HINT_T0);
+            const int64_t col = 2 * (j + PHASES * m);
+            uint32_t pair[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; r++) memcpy(&pair[r], row[r] + col, sizeof pair[r]);
+            token_lane_step(NR, NV, acc, xj + m * LANES, vec_stride, pair);
+        }
+        if (half) { /* the last column alone: never read past the row */
+            uint32_t pair[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < NR; r++) pair[r] = row[r][in - 1];
+            token_lane_step(NR, NV, acc, xj + m * LANES, vec_stride, pair);
+        }
+#pragma GCC unroll 16
+        for (int a = 0; a < NR * NV; a++) phase[j * NR * NV + a] = acc[a];
+    }
+    for (int a = 0; a < NR * NV; a++) {
+        const __m512 *p = phase + a;
+        const int64_t s = NR * NV;
+        __m512 blk[4];
+        for (int b = 0; b < 4; b++)
+            blk[b] = _mm512_add_ps(_mm512_add_ps(p[(4 * b) * s], p[(4 * b + 2) * s]),
+                                   _mm512_add_ps(p[(4 * b + 1) * s], p[(4 * b + 3) * s]));
+        float sum[LANES];
+        _mm512_storeu_ps(sum, _mm512_add_ps(_mm512_add_ps(blk[0], blk[2]), _mm512_add_ps(blk[1], blk[3])));
+        const int r = a / NV, v = a % NV;
+        if (r >= nr) continue;
+        for (int64_t c = 0; c < LANES && v * LANES + c < nt; c++) out[(v * LANES + c) * ld + r] = sum[c];
+    }
+}
+
+/* Each tile shape in a function of its own: inlined into one loop nest, the four shapes leave the
+ * register allocator too few registers and it reloads the activation vectors for every row. */
+#define TOKEN_LANE_TILE(NR, NV)                                                                                  \
+    static NOINLINE void token_lane_tile_##NR##x##NV(const uint32_t *x, int64_t vec_stride, const uint16_t *w,    \
+                                                    int64_t in, int nr, int64_t nt, float *out, int64_t ld,    \
+                                                    __m512 *phase) {                                           \
+        token_lane_tile(NR, NV, x, vec_stride, w, in, nr, nt, out, ld, phase);                                 \
+    }
+TOKEN_LANE_TILE(4, 4)
+TOKEN_LANE_TILE(4, 3)
+TOKEN_LANE_TILE(8, 2)
+TOKEN_LANE_TILE(16, 1)
+
+/* The bf16 x bf16 projection of n tokens packed as above (x: their first vector) by nrows <= ROW_BLOCK
+ * weight rows read in place (row stride in): out[c * ld + r] as in project. */
+static void project_token_lanes(const uint16_t *w, int64_t in, int nrows, const uint32_t *x, int64_t n,
+                                float *out, int64_t ld, __m512 *phase) {
+    const int64_t vec_stride = round_up(in, ROW_PAD) / 2 * LANES, nvec = (n + LANES - 1) / LANES;
+    /* as few tiles of at most 4 vectors as possible, of even sizes (5 vectors: 3 + 2, not 4 + 1) */
+    const int64_t ntiles = (nvec + 3) / 4;
+    for (int64_t tile = 0, v0 = 0; tile < ntiles; tile++) {
+        const int nv = (int)((nvec - v0) / (ntiles - tile) + ((nvec - v0) % (ntiles - tile) != 0));
+        const int tile_rows = nv == 1 ? 16 : nv == 2 ? 8 : 4; /* 12 to 16 accumulators */
+        const uint32_t *xv = x + v0 * vec_stride;
+        float *o = out + v0 * LANES * ld;
+        const int64_t nt = n - v0 * LANES;
+        for (int r0 = 0; r0 < nrows; r0 += tile_rows) {
+            const int nr = nrows - r0 < tile_rows ? nrows - r0 : tile_rows;
+            const uint16_t *wr = w + (int64_t)r0 * in;
+            switch (nv) {
+            case 4: token_lane_tile_4x4(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
+            case 3: token_lane_tile_4x3(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
+            case 2: token_lane_tile_8x2(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
+            default: token_lane_tile_16x1(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
+            }
+        }
+        v0 += nv;
+    }
+}
+#endif
+
 /* ---------------------------------------------------------------------------------------------------
  * 3. routing
  * ------------------------------------------------------------------------------------------------- */
@@ -468,6 +615,15 @@ static colibri_status_t compute_routing(const colibri_moe_context_t *ctx, cpu_st
  * 4. grouping: a stable counting sort of the T * k (token, slot) pairs by expert
  * ------------------------------------------------------------------------------------------------- */
 
+/* How many of an expert's n tokens the token-lane kernel takes: none below TOKEN_LANES_MIN, else whole
+ * vectors of LANES tokens, and a last partial vector only when it is at least half full; the few
+ * tokens left over run dot_tile_bf16, which wastes no lanes on them. A function of n alone, and both
+ * kernels give the same bits, so no token's output depends on the other tokens of the call. */
+static int32_t token_lane_count(int32_t n) {
+    if (n < TOKEN_LANES_MIN) return 0;
+    return n % LANES >= LANES / 2 ? n : n - n % LANES;
+}
+
 static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const int32_t *ids) {
     const int32_t E = ctx->cfg.num_experts, k = ctx->cfg.top_k;
     const int64_t P = T * k;
@@ -485,6 +641,53 @@ static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, in
         s->x_rows[pos] = s->bf16_dot ? (const void *)(s->x16 + p / k * s->hp) : s->token_rows[p / k];
         if (s->hidden) s->h_rows[pos] = s->bf16_dot ? (const void *)(s->hidden16 + pos * s->fp) : s->hidden + pos * s->fp;
     }
+    int32_t vectors = 0;
+    for (int32_t e = 0; e < E; e++) {
+        s->lane_tokens[e] = s->bf16_dot ? token_lane_count(s->expert_start[e + 1] - s->expert_start[e]) : 0;
+        s->lane_vec[e] = vectors;
+        vectors += (s->lane_tokens[e] + LANES - 1) / LANES;
+    }
+}
+
+/* The inputs of every token-lane expert, packed (section 2b) from their bf16 rows: the rows' zero
+ * padding fills the padded pairs, and lanes past the expert's last token are zero. */
+static void pack_token_lanes(const colibri_moe_context_t *ctx, cpu_state_t *s) {
+    const int64_t pairs = s->hp / 2, M = s->hp / 32;
+#pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
+    for (int32_t e = 0; e < ctx->cfg.num_experts; e++) {
+        const int32_t start = s->expert_start[e], n = s->lane_tokens[e];
+        uint32_t *dst = s->x_packed + (int64_t)s->lane_vec[e] * pairs * LANES;
+        for (int32_t v = 0; v * LANES < n; v++, dst += pairs * LANES)
+            for (int64_t slot = 0; slot < pairs; slot++) {
+                const int64_t pair = slot % M * PHASES + slot / M; /* the inverse of packed_slot */
+                for (int32_t c = 0; c < LANES; c++) {
+                    const int32_t t = v * LANES + c;
+                    uint32_t value = 0;
+                    if (t < n) memcpy(&value, (const uint16_t *)s->x_rows[start + t] + 2 * pair, sizeof value);
+                    dst[slot * LANES + c] = value;
+                }
+            }
+    }
+}
+
+/* Expert e's projection by nrows weight rows from w_offset (row stride in) into out[c * ld + r]: the
+ * token-lane kernel when the expert's inputs are packed (packed: vector 0 of that buffer), else project
+ * on its rows. */
+static void project_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int32_t e, uint64_t w_offset, int64_t in,
+                           int nrows, const void *const *rows, const uint32_t *packed, float *out, int64_t ld,
+                           float *scratch) {
+    const int32_t start = s->expert_start[e], n = s->expert_start[e + 1] - start, lanes = s->lane_tokens[e];
+#if HAVE_BF16_DOT
+    if (lanes > 0) {
+        const uint32_t *x = packed + (int64_t)s->lane_vec[e] * (round_up(in, ROW_PAD) / 2 * LANES);
+        project_token_lanes((const uint16_t *)s->weights + w_offset, in, nrows, x, lanes, out, ld, (__m512 *)scratch);
+    }
+#else
+    (void)packed;
+#endif
+    if (n > lanes)
+        project(s->weights, ctx->cfg.weight_dtype, w_offset, in, nrows, rows + start + lanes, s->bf16_dot, n - lanes,
+                out + lanes * ld, ld, scratch);
 }
 
 /* One task per (touched expert, block of ROW_BLOCK of its `rows` output rows); returns how many. */
@@ -501,6 +704,32 @@ static int64_t make_tasks(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
  * 5. expert FFN
  * ------------------------------------------------------------------------------------------------- */
 
+/* e^x in fp32 from plain arithmetic, so that the SiLU loop below vectorises (a call to libm's expf
+ * cannot, and cost about a tenth of a large forward). x = k ln2 + r with k = round(x / ln2) and
+ * |r| <= ln2 / 2 (ln2 in two parts, so r is exact to a few ulp); e^r by its Taylor series to r^7,
+ * whose remainder is below 2^-27 there; 2^k applied in two halves so that subnormal results come out
+ * right and large ones overflow to inf. Within 2 ulp of e^x; inf, -inf and NaN give inf, 0 and NaN. */
+static inline float exp_f32(float x) {
+    float xc = x > -104.0f ? x : -104.0f;                         /* e^x is 0 below (NaN goes here too), */
+    xc = xc < 89.0f ? xc : 89.0f;                                 /* and inf above */
+    const float round = 12582912.0f;                              /* 1.5 * 2^23: adding it rounds to an integer */
+    const float k = (xc * 1.44269504f + round) - round;
+    float r = fmaf(k, -0.693145751953125f, xc);                   /* ln2's high part is exact in 16 bits */
+    r = fmaf(k, -1.428606765330187e-06f, r);
+    float p = 1.0f / 5040;
+    p = fmaf(p, r, 1.0f / 720), p = fmaf(p, r, 1.0f / 120), p = fmaf(p, r, 1.0f / 24);
+    p = fmaf(p, r, 1.0f / 6), p = fmaf(p, r, 0.5f), p = fmaf(p, r, 1.0f), p = fmaf(p, r, 1.0f);
+    const int32_t k1 = (int32_t)k / 2, k2 = (int32_t)k - k1;      /* each in [-75, 64]: 2^k1, 2^k2 are normal */
+    union { uint32_t u; float f; } s1 = {(uint32_t)(k1 + 127) << 23}, s2 = {(uint32_t)(k2 + 127) << 23}; /* memcpy would not vectorise */
+    const float e = p * s1.f * s2.f;
+    return x != x ? x : e;
+}
+
+/* g[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for i < n: the SwiGLU activation. */
+static void silu_times(float *g, const float *u, int64_t n) {
+    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+}
+
 /* SWIGLU, first half: hidden[pos, :] = silu(gate x) * up x for every sorted pair position (hidden16 in
  * bf16 for a bf16 x bf16 forward). */
 static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
@@ -514,16 +743,23 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
         const int nrows = (int)min64(ROW_BLOCK, F - row0);
         const uint64_t gate = s->offsets[e] + (uint64_t)(row0 * H), up = gate + (uint64_t)(F * H);
         float *tile = s->tile + tid * P * ld, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
-        project(s->weights, ctx->cfg.weight_dtype, gate, H, nrows, s->x_rows + start, s->bf16_dot, n, tile, ld, wbuf);
-        project(s->weights, ctx->cfg.weight_dtype, up, H, nrows, s->x_rows + start, s->bf16_dot, n, tile + ROW_BLOCK, ld,
-                wbuf);
+        project_expert(ctx, s, e, gate, H, nrows, s->x_rows, s->x_packed, tile, ld, wbuf);
+        project_expert(ctx, s, e, up, H, nrows, s->x_rows, s->x_packed, tile + ROW_BLOCK, ld, wbuf);
+        int64_t packed_at[ROW_BLOCK]; /* where hidden column row0 + r of lane 0 goes in a packed vector (2b) */
+        for (int r = 0; r < nrows; r++) packed_at[r] = packed_slot((row0 + r) / 2, s->fp / 32) * LANES * 2 + (row0 + r) % 2;
         for (int32_t c = 0; c < n; c++) {
             float *g = tile + c * ld;
             const float *u = g + ROW_BLOCK;
-            for (int r = 0; r < nrows; r++) g[r] = g[r] / (1.0f + expf(-g[r])) * u[r];
+            silu_times(g, u, nrows);
             const int64_t pos = start + c;
-            if (s->bf16_dot) store_f32(s->hidden16, COLIBRI_DTYPE_BF16, (uint64_t)(pos * s->fp + row0), g, nrows);
-            else memcpy(s->hidden + pos * s->fp + row0, g, (size_t)nrows * sizeof(float));
+            if (c < s->lane_tokens[e]) { /* bf16 into the packed hidden of the token-lane down projection */
+                uint16_t *h = (uint16_t *)(s->h_packed + (s->lane_vec[e] + c / LANES) * (s->fp / 2 * LANES)) + c % LANES * 2;
+                for (int r = 0; r < nrows; r++) h[packed_at[r]] = f32_to_bf16(g[r]);
+            } else if (s->bf16_dot) {
+                store_f32(s->hidden16, COLIBRI_DTYPE_BF16, (uint64_t)(pos * s->fp + row0), g, nrows);
+            } else {
+                memcpy(s->hidden + pos * s->fp + row0, g, (size_t)nrows * sizeof(float));
+            }
         }
     }
 }
@@ -531,7 +767,7 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
 /* y[pair, :] = W x for every pair, with W the out_features x in matrix that starts `skip` elements into
  * each expert (SWIGLU: down over the hidden rows; LINEAR: w over the input rows). */
 static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint64_t skip, int64_t in,
-                         const void *const *inputs) {
+                         const void *const *rows, const uint32_t *packed) {
     const int64_t out = ctx->out_features, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
     const int64_t ntasks = make_tasks(ctx, s, out);
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
@@ -541,8 +777,8 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
         const int64_t row0 = s->tasks[i].row0;
         const int nrows = (int)min64(ROW_BLOCK, out - row0);
         float *tile = s->tile + tid * P * 2 * ROW_BLOCK, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
-        project(s->weights, ctx->cfg.weight_dtype, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows,
-                inputs + start, s->bf16_dot, n, tile, ROW_BLOCK, wbuf);
+        project_expert(ctx, s, e, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows, rows, packed, tile, ROW_BLOCK,
+                       wbuf);
         for (int32_t c = 0; c < n; c++)
             memcpy(s->y + s->pair_of[start + c] * out + row0, tile + c * ROW_BLOCK, (size_t)nrows * sizeof(float));
     }
@@ -550,11 +786,12 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
 
 static void expert_ffn(const colibri_moe_context_t *ctx, cpu_state_t *s) {
     const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
+    pack_token_lanes(ctx, s);
     if (ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
         swiglu_gate_up(ctx, s);
-        project_to_y(ctx, s, (uint64_t)(2 * F * H), F, (const void *const *)s->h_rows);
+        project_to_y(ctx, s, (uint64_t)(2 * F * H), F, (const void *const *)s->h_rows, s->h_packed);
     } else {
-        project_to_y(ctx, s, 0, H, (const void *const *)s->x_rows);
+        project_to_y(ctx, s, 0, H, (const void *const *)s->x_rows, s->x_packed);
     }
 }
 
@@ -632,6 +869,10 @@ void colibri_cpu_destroy(colibri_moe_context_t *ctx) {
     free(s->pair_of);
     free(s->x_rows);
     free(s->h_rows);
+    free(s->lane_tokens);
+    free(s->lane_vec);
+    free(s->x_packed);
+    free(s->h_packed);
     free(s->hidden);
     free(s->hidden16);
     free(s->y);
@@ -687,6 +928,12 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     s->pair_of = alloc_zeroed(P, 1, sizeof *s->pair_of, &failed);
     s->x_rows = alloc_zeroed(P, 1, sizeof *s->x_rows, &failed);
     s->h_rows = alloc_zeroed(P, 1, sizeof *s->h_rows, &failed);
+    /* token-lane vectors: one per LANES tokens of each expert with at least TOKEN_LANES_MIN tokens */
+    const int64_t lane_vectors = bf16_dot_possible ? P / LANES + (E < P / TOKEN_LANES_MIN ? E : P / TOKEN_LANES_MIN) : 0;
+    s->lane_tokens = alloc_zeroed(E, 1, sizeof *s->lane_tokens, &failed);
+    s->lane_vec = alloc_zeroed(E, 1, sizeof *s->lane_vec, &failed);
+    s->x_packed = lane_vectors ? alloc_zeroed(lane_vectors, s->hp / 2 * LANES, sizeof(uint32_t), &failed) : NULL;
+    s->h_packed = lane_vectors && swiglu ? alloc_zeroed(lane_vectors, s->fp / 2 * LANES, sizeof(uint32_t), &failed) : NULL;
     s->hidden = swiglu ? alloc_zeroed(P, s->fp, sizeof(float), &failed) : NULL;
     s->hidden16 = swiglu && bf16_dot_possible ? alloc_zeroed(P, s->fp, sizeof(uint16_t), &failed) : NULL;
     s->y = alloc_zeroed(P, ctx->out_features, sizeof(float), &failed);
