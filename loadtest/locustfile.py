@@ -16,7 +16,7 @@ Settings, as Locust options or environment variables (defaults in brackets):
   --mix       LOADTEST_MIX       profile weights "decode:9,prefill:1", or a preset: decode-heavy,
                                  prefill-heavy, decode, prefill [decode-heavy]
   --prefill-tokens LOADTEST_PREFILL_TOKENS  "MIN-MAX" tokens of a prefill request [128-2048]
-  --hidden    LOADTEST_HIDDEN    H, when the model's config does not fix it (see model_shape)
+  --hidden    LOADTEST_HIDDEN    H, when the model's config does not give it (see model_shape)
   --samples-dir LOADTEST_SAMPLES_DIR  folder for one CSV row per request (loadtest/summary.py reads
                                  them for exact percentiles and P99 against concurrency)
   LOADTEST_STEPS, LOADTEST_STEP_TIME  "1,4,16" and seconds: a stepped user ramp (P99 against
@@ -27,7 +27,6 @@ import atexit
 import csv
 import os
 import random
-import re
 import sys
 import threading
 import time
@@ -45,7 +44,6 @@ grpc_gevent.init_gevent()
 import numpy as np  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
 
 PROFILES = ("decode", "prefill")
 MIX_PRESETS = {"decode-heavy": "decode:9,prefill:1", "prefill-heavy": "decode:1,prefill:3",
@@ -119,10 +117,8 @@ _shapes_lock = threading.Lock()
 def model_shape(client, model: str, hidden_override: int) -> dict:
     """{hidden, wire, np_dtype, max_tokens} of a model, asked once per process and model.
 
-    colibri_moe's config leaves the feature dimension -1 (the checkpoint chosen at start fixes H),
-    so when the config does not give H and no --hidden was given, one token of width 1 is sent and
-    H is read from the refusal ("hidden_states: expected shape [T, H], got [1, 1]"), the message
-    colibri's layer and bench/serving's models give. That probe is not counted in the statistics."""
+    H is hidden_states' dims in the loaded config: colibri_moe (and bench/serving's models) fill it
+    in from the checkpoint at load (auto_complete_config), so only a model declaring -1 needs --hidden."""
     with _shapes_lock:
         if model in _shapes:
             return _shapes[model]
@@ -131,25 +127,13 @@ def model_shape(client, model: str, hidden_override: int) -> dict:
         config = config.get("config", config)
         hidden_states = next(t for t in config["input"] if t["name"] == "hidden_states")
         wire, np_dtype = WIRE_TYPES[hidden_states.get("data_type", "TYPE_FP32")]
-        dims = [int(d) for d in hidden_states["dims"]]
-        hidden = hidden_override or (dims[-1] if dims[-1] > 0 else probe_hidden(client, model, wire, np_dtype))
+        dims = [int(d) for d in hidden_states.get("dims", [])]
+        hidden = hidden_override or (dims[-1] if dims and dims[-1] > 0 else 0)
+        if not hidden:
+            raise RuntimeError(f"{model}: its config gives hidden_states dims {dims}, no width; give --hidden")
         max_tokens = int(config.get("max_batch_size", 0)) or 1 << 30
         _shapes[model] = dict(hidden=hidden, wire=wire, np_dtype=np_dtype, max_tokens=max_tokens)
         return _shapes[model]
-
-
-def probe_hidden(client, model, wire, np_dtype) -> int:
-    module = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
-    tensor = module.InferInput("hidden_states", [1, 1], wire)
-    tensor.set_data_from_numpy(np.zeros((1, 1), np_dtype))
-    try:
-        client.infer(model, [tensor])
-    except InferenceServerException as exc:
-        found = re.search(r"expected shape \[T, (\d+)\]", exc.message() or "")
-        if found:
-            return int(found.group(1))
-        raise RuntimeError(f"{model}: cannot tell H from its refusal ({exc}); give --hidden") from exc
-    raise RuntimeError(f"{model}: accepted hidden_states of width 1; give --hidden")
 
 
 _pools = {}

@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 import colibri
 from colibri import reference, serve
 from colibri.testing import error_limit
-from triton_server import REPO_ROOT, missing_reason, serving
+from triton_server import REPO_ROOT, free_ports, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
 import common  # noqa: E402  (the clients' reference check, shared)
@@ -154,8 +154,11 @@ def bad_requests(layer, rng):
         "hidden_states fp64": ([("hidden_states", x.astype(np.float64), "FP64")], "hidden_states"),
         "expert id too large": (with_routing(ids=replaced(ids, 1, 0, E)), "topk_ids"),
         "negative expert id": (with_routing(ids=replaced(ids, 2, 1, -1)), "topk_ids"),
-        "k mismatch": (with_routing(ids=np.argsort(rng.random((T, E)), axis=1)[:, :k + 1].astype(np.int32),
-                                    weights=np.full((T, k + 1), 0.5, np.float32)), "topk_ids"),
+        # Triton checks each input's width against the dims auto-completed from the checkpoint; with
+        # both too wide it names whichever it checks first, so each is made wrong alone.
+        "topk_ids k mismatch": (with_routing(ids=np.argsort(rng.random((T, E)), axis=1)[:, :k + 1].astype(np.int32)),
+                                "topk_ids"),
+        "topk_weights k mismatch": (with_routing(weights=np.full((T, k + 1), 0.5, np.float32)), "topk_weights"),
         # Triton compares the inputs' batch sizes itself and names the first input.
         "token count mismatch": (with_routing(ids=ids[:T - 1], weights=weights[:T - 1]), "hidden_states"),
         "NaN weight": (with_routing(weights=replaced(weights, 0, 1, np.nan)), "topk_weights"),
@@ -167,8 +170,8 @@ def bad_requests(layer, rng):
 
 
 BAD_REQUEST_NAMES = ["wrong hidden size", "no tokens", "hidden_states fp64", "expert id too large",
-                     "negative expert id", "k mismatch", "token count mismatch", "NaN weight", "infinite weight",
-                     "topk_weights missing", "topk_ids missing", "topk_ids int64"]
+                     "negative expert id", "topk_ids k mismatch", "topk_weights k mismatch", "token count mismatch",
+                     "NaN weight", "infinite weight", "topk_weights missing", "topk_ids missing", "topk_ids int64"]
 PROTOCOLS = {"http": (http_infer, "http_url", "400"), "grpc": (grpc_infer, "grpc_url", "StatusCode.INVALID_ARGUMENT")}
 
 
@@ -253,6 +256,46 @@ def test_launcher_rewrites_instance_kind_and_activation_dtype():
                      "output": "TYPE_BF16"}
 
 
+def test_metadata_and_config_give_the_checkpoints_dims(server, layer):
+    """config.pbtxt declares no dims; model.py's auto_complete_config fills them in from the checkpoint."""
+    c = layer.config
+    expected = {"hidden_states": [-1, c.hidden_size], "topk_ids": [-1, c.top_k], "topk_weights": [-1, c.top_k],
+                "output": [-1, c.hidden_size]}
+    metadata = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}"))
+    assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == expected
+    grpc_config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config(MODEL, as_json=True)["config"]
+    assert {t["name"]: [-1] + [int(d) for d in t["dims"]] for t in grpc_config["input"] + grpc_config["output"]} \
+        == expected
+
+
+def test_second_launch_on_a_taken_port_fails_naming_it(server, weights):
+    http_port = int(server.http_url.rsplit(":", 1)[1])
+    grpc_port, metrics_port = free_ports(2)
+    second = subprocess.run(
+        [sys.executable, "-m", "colibri", "serve", "--weights", str(weights), "--http-port", str(http_port),
+         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0, second.stdout + second.stderr
+    assert f"HTTP port {http_port}" in second.stderr and "ready" not in second.stdout, second.stdout + second.stderr
+    assert server.get(f"http://{server.http_url}/v2/health/ready") == ""  # the first one is untouched
+
+
+def test_readiness_wait_refuses_a_server_that_is_not_ours(server):
+    """The launcher's readiness wait accepts only the server reporting its --id: here a live process
+    stands in for our tritonserver while the session's server, with another id, answers the port."""
+    ready_url = f"http://{server.http_url}/v2/health/ready"
+    session_id = json.loads(server.get(f"http://{server.http_url}/v2"))["name"]
+    assert session_id.startswith("colibri-"), session_id
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        serve.wait_until_ready(stand_in, ready_url, 10, server_id=session_id)
+        with pytest.raises(serve.ServeError, match=f"another server .*{server.http_url}.*--http-port"):
+            serve.wait_until_ready(stand_in, ready_url, 10, server_id="colibri-someone-else")
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_precision_server_on_the_cpu(weights, tmp_path_factory, dtype):
     with serving(weights, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", dtype) as half:
@@ -265,3 +308,5 @@ def test_half_precision_server_on_the_cpu(weights, tmp_path_factory, dtype):
         assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
     assert config["instance_group"][0]["kind"] == "KIND_CPU"
     assert config["input"][0]["data_type"] == f"TYPE_{dtype.upper()}"
+    # The dtype rewrite and the auto-completed dims live together.
+    assert config["input"][0]["dims"] == [common.Layer(weights).config.hidden_size]

@@ -82,9 +82,14 @@ def _parse_config(path, meta, weight_dtype, has_router) -> LayerConfig:
     return config
 
 
-def load(path) -> Checkpoint:
-    """Opens and checks a packed checkpoint; the tensors are views into a read-only memory map."""
-    path = pathlib.Path(path)
+def read_config(path) -> LayerConfig:
+    """The layer a checkpoint describes, from its header alone (no tensor data is read): Triton's
+    auto-complete asks for H and k before any model instance loads the weights."""
+    return _open(path)[1]
+
+
+def _open(path):
+    """(the open file, its LayerConfig), checked as far as the header allows."""
     try:
         file = st.SafetensorsFile(path)
     except FileNotFoundError:
@@ -97,7 +102,13 @@ def load(path) -> Checkpoint:
     weight_dtype = st.SAFETENSORS_TO_COLIBRI.get(info.dtype)
     if weight_dtype is None:
         raise _fail(path, f"tensor 'experts' has dtype {info.dtype}, expected F32, F16 or BF16")
-    config = _parse_config(path, file.metadata, weight_dtype, "router" in file)
+    return file, _parse_config(path, file.metadata, weight_dtype, "router" in file)
+
+
+def load(path) -> Checkpoint:
+    """Opens and checks a packed checkpoint; the tensors are views into a read-only memory map."""
+    path = pathlib.Path(path)
+    file, config = _open(path)
     E, H = config.num_experts, config.hidden_size
     expected = {"experts": (E, config.expert_numel), "router": (E, H), "router_bias": (E,)}
     for name, shape in expected.items():

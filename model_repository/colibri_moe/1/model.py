@@ -14,6 +14,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 import colibri
+from colibri import triton_config
 from colibri.dlpack import take
 from colibri.dtypes import ITEMSIZE
 
@@ -59,11 +60,14 @@ class DeviceBatch:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        # The tensors' dims from the checkpoint's header (config.pbtxt leaves them out).
+        return triton_config.complete(auto_complete_model_config, os.path.dirname(os.path.abspath(__file__)))
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        weights = os.environ.get("COLIBRI_WEIGHTS") or config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
-        version_dir = os.path.join(args["model_repository"], args["model_version"])
-        path = os.path.join(version_dir, weights)  # an absolute `weights` replaces version_dir
+        path = triton_config.weights_path(config, os.path.join(args["model_repository"], args["model_version"]))
         on_gpu = args["model_instance_kind"] == "GPU"
         device_id = int(args["model_instance_device_id"])
         self.layer = colibri.MoELayer.from_file(path, device="cuda" if on_gpu else "cpu", device_id=device_id)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton_python_backend_utils as pb_utils
 
-from colibri import checkpoint
+from colibri import checkpoint, triton_config
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 
@@ -99,10 +99,14 @@ class TorchMoE:
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        # colibri_moe's config leaves the dims out: the checkpoint's header gives them (as there).
+        return triton_config.complete(auto_complete_model_config, os.path.dirname(os.path.abspath(__file__)))
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        weights = os.environ.get("COLIBRI_WEIGHTS") or config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
-        path = os.path.join(args["model_repository"], args["model_version"], weights)
+        path = triton_config.weights_path(config, os.path.join(args["model_repository"], args["model_version"]))
         on_gpu = args["model_instance_kind"] == "GPU"
         device = torch.device("cuda", int(args["model_instance_device_id"])) if on_gpu else torch.device("cpu")
         self.layer = TorchMoE(path, device)

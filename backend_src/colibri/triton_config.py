@@ -1,0 +1,36 @@
+"""What a Triton Python model serving a Colibri checkpoint needs from it before loading it: the path
+to serve, and the feature dims of colibri_moe's tensors for the backend's `auto_complete_config`.
+
+config.pbtxt declares the tensors' names, data types and optional flags but no dims, because the
+checkpoint, chosen at start, fixes H and k: the Python backend's ModelConfig.add_input/add_output
+fill in dims a config leaves empty, and refuse to change declared ones (even -1). With the dims
+known, Triton's model metadata and config tell clients H and k, and Triton refuses a request of the
+wrong width itself, naming the input. Only the checkpoint's header is read here.
+"""
+import os
+
+from colibri import checkpoint
+
+
+def weights_path(model_config: dict, version_dir: str) -> str:
+    """The checkpoint: $COLIBRI_WEIGHTS (the launcher sets it) or the config parameter of that name,
+    relative to the version folder (an absolute path replaces it)."""
+    weights = os.environ.get("COLIBRI_WEIGHTS") or model_config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
+    return os.path.join(version_dir, weights)
+
+
+def complete(auto_complete_model_config, version_dir: str):
+    """auto_complete_config for a model with colibri_moe's tensors: dims [H] for hidden_states,
+    [k] for topk_ids and topk_weights, [out_features] for output; the declared data types (the
+    launcher's --dtype rewrite) are kept."""
+    declared = auto_complete_model_config.as_dict()
+    layer = checkpoint.read_config(weights_path(declared, version_dir))
+    dims = {"hidden_states": layer.hidden_size, "topk_ids": layer.top_k, "topk_weights": layer.top_k,
+            "output": layer.out_features}
+    for tensor in declared["input"]:
+        auto_complete_model_config.add_input(
+            {"name": tensor["name"], "data_type": tensor["data_type"], "dims": [dims[tensor["name"]]]})
+    for tensor in declared["output"]:
+        auto_complete_model_config.add_output(
+            {"name": tensor["name"], "data_type": tensor["data_type"], "dims": [dims[tensor["name"]]]})
+    return auto_complete_model_config
