@@ -18,9 +18,12 @@ packages (numpy<2, cffi, colibri) as the launcher, from a venv, a --target folde
 import argparse
 import ctypes
 import os
+import json
 import re
+import secrets
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -153,17 +156,42 @@ def _die_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float) -> None:
+def check_ports_free(host: str, ports: dict) -> None:
+    """Refuses to start when one of the ports is taken: tritonserver loads the model before it binds
+    its endpoints, so without this a server already on the port answers the readiness probe."""
+    for name, port in ports.items():
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            # As servers do: a port left in TIME_WAIT is free, one with a listener is not.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise ServeError(f"{name} port {port} on {host} is not free ({exc.strerror}): another server "
+                                 f"holds it? Choose another with --{name.lower()}-port") from None
+
+
+def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float, server_id: str = None) -> None:
+    """Until `url` (a Triton readiness endpoint) answers 200 while `server` still runs. With
+    server_id, the server answering must also report it as its --id (GET /v2): one that took the
+    port after check_ports_free reports another, and is not taken for ours."""
+    base_url = url.split("/v2/", 1)[0]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise ServeError(f"tritonserver exited with status {server.returncode} before it was ready")
         try:
+            if server_id is not None:
+                with urllib.request.urlopen(f"{base_url}/v2", timeout=2) as reply:
+                    answered_id = json.loads(reply.read()).get("name")
+                if answered_id != server_id:
+                    raise ServeError(f"another server (id {answered_id!r}) answers at {base_url}: its HTTP port "
+                                     "is taken; choose another with --http-port")
             with urllib.request.urlopen(url, timeout=2) as reply:
                 if reply.status == 200:
                     return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            pass  # not listening yet, not ready yet (400) or a partial answer: ask again
         time.sleep(0.25)
     raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s ({url})")
 
@@ -192,10 +220,12 @@ def main(argv=None) -> int:
         server_root = find_tritonserver()
         repository = args.model_repository.resolve()
         weights = ensure_weights(args.weights, repository)
+        check_ports_free(args.host, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})
         with tempfile.TemporaryDirectory(prefix="colibri-serve-") as run_dir:
             run_dir = Path(run_dir)
+            args.server_id = f"colibri-{secrets.token_hex(6)}"  # how wait_until_ready knows its server
             command = [
-                str(server_root / "bin" / "tritonserver"),
+                str(server_root / "bin" / "tritonserver"), "--id", args.server_id,
                 "--model-repository", str(stage_repository(repository, run_dir, args.device, args.dtype)),
                 "--backend-directory", str(install_python_backend(server_root, run_dir)),
                 "--model-control-mode", "none",
@@ -219,7 +249,8 @@ def run_server(command, env, args, weights) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     try:
-        wait_until_ready(server, f"http://{args.host}:{args.http_port}/v2/health/ready", args.ready_timeout)
+        wait_until_ready(server, f"http://{args.host}:{args.http_port}/v2/health/ready", args.ready_timeout,
+                         server_id=args.server_id)
         print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
               f"  HTTP    http://{args.host}:{args.http_port}/v2/models/{MODEL_NAME}/infer\n"
               f"  gRPC    {args.host}:{args.grpc_port}\n"
