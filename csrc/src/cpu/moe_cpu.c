@@ -22,11 +22,15 @@
  * activations are bf16, the projections multiply bf16 pairs straight from the weights, accumulating in
  * fp32, and the SwiGLU intermediate silu(gate x) * up x is kept in bf16, the activation dtype (as
  * PyTorch does in bf16). That halves the arithmetic and skips the weight conversion. Every other case
- * converts weights to fp32 and keeps the intermediate in fp32.
+ * converts weights to fp32 and keeps the intermediate in fp32. The bf16 x bf16 projection has two
+ * kernels: dot_tile_bf16 (a few tokens: decode, where streaming the weights is all that matters) and,
+ * for an expert with at least TOKEN_LANES_MIN tokens, the token-lane kernel of section 2b (prefill,
+ * where the arithmetic is); they give bitwise the same results.
  *
  * Determinism: every output element is computed by one task in a fixed order of operations, whatever
- * thread runs it, and the combine sums the slots in order, so results are bitwise identical run to run,
- * for any thread count and any chunking.
+ * thread runs it and whichever kernel, and the combine sums the slots in order, so results are bitwise
+ * identical run to run, for any thread count and any chunking: a token's output does not depend on the
+ * other tokens of the call.
  */
 #include <math.h>
 #include <omp.h>
@@ -63,7 +67,8 @@ enum {
     LANES = 16,         /* token-lane kernel (section 2b): tokens per vector, */
     PHASES = 16,        /* the phases of dot_tile_bf16's order it reproduces, */
     TILE_ACC = 16,      /* at most this many accumulator vectors per tile, */
-    TOKEN_LANES_MIN = 16, /* and an expert needs at least this many tokens to use it */
+    TOKEN_LANES_MIN = 32, /* and an expert needs at least this many tokens to use it (below, with the
+                             weights streaming from memory, dot_tile_bf16 was as fast or faster) */
     DEFAULT_WORKSPACE_TOKENS = 256
 };
 
@@ -413,7 +418,7 @@ static ALWAYS_INLINE void token_lane_tile(const int NR, const int NV, const uint
                                           const uint16_t *w, int64_t in, int nr, int64_t nt, float *out,
                                           int64_t ld, __m512 *phase) {
     const int64_t M = round_up(in, ROW_PAD) / 32;
-    const uint16_t *row[16];
+    const uint16_t *row[TILE_ACC];
     for (int r = 0; r < NR; r++) row[r] = w + (r < nr ? r : 0) * in;
     for (int j = 0; j < PHASES; j++) {
         /* pairs j + 16 m with both columns inside the row: m < full; a last half pair when in is odd */
@@ -428,13 +433,13 @@ static ALWAYS_INLINE void token_lane_tile(const int NR, const int NV, const uint
             /* the weights stream from memory: fetch the next NR rows at an even pace over the 16 phases */
             _mm_prefetch((const char *)(w + NR * in + (j * M + m) * NR / PHASES * 32), _MM_HINT_T0);
             const int64_t col = 2 * (j + PHASES * m);
-            uint32_t pair[16];
+            uint32_t pair[TILE_ACC];
 #pragma GCC unroll 16
             for (int r = 0; r < NR; r++) memcpy(&pair[r], row[r] + col, sizeof pair[r]);
             token_lane_step(NR, NV, acc, xj + m * LANES, vec_stride, pair);
         }
         if (half) { /* the last column alone: never read past the row */
-            uint32_t pair[16];
+            uint32_t pair[TILE_ACC];
 #pragma GCC unroll 16
             for (int r = 0; r < NR; r++) pair[r] = row[r][in - 1];
             token_lane_step(NR, NV, acc, xj + m * LANES, vec_stride, pair);
@@ -457,7 +462,7 @@ static ALWAYS_INLINE void token_lane_tile(const int NR, const int NV, const uint
     }
 }
 
-/* Each tile shape in a function of its own: inlined into one loop nest, the four shapes leave the
+/* Each tile shape in a function of its own: inlined into one loop nest, the three shapes leave the
  * register allocator too few registers and it reloads the activation vectors for every row. */
 #define TOKEN_LANE_TILE(NR, NV)                                                                                  \
     static NOINLINE void token_lane_tile_##NR##x##NV(const uint32_t *x, int64_t vec_stride, const uint16_t *w,    \
@@ -468,18 +473,20 @@ static ALWAYS_INLINE void token_lane_tile(const int NR, const int NV, const uint
 TOKEN_LANE_TILE(4, 4)
 TOKEN_LANE_TILE(4, 3)
 TOKEN_LANE_TILE(8, 2)
-TOKEN_LANE_TILE(16, 1)
+/* every tile has 2 to 4 vectors (see project_token_lanes) */
+typedef char token_lanes_need_two_vectors[TOKEN_LANES_MIN >= 2 * LANES ? 1 : -1];
 
 /* The bf16 x bf16 projection of n tokens packed as above (x: their first vector) by nrows <= ROW_BLOCK
  * weight rows read in place (row stride in): out[c * ld + r] as in project. */
 static void project_token_lanes(const uint16_t *w, int64_t in, int nrows, const uint32_t *x, int64_t n,
                                 float *out, int64_t ld, __m512 *phase) {
     const int64_t vec_stride = round_up(in, ROW_PAD) / 2 * LANES, nvec = (n + LANES - 1) / LANES;
-    /* as few tiles of at most 4 vectors as possible, of even sizes (5 vectors: 3 + 2, not 4 + 1) */
+    /* as few tiles of at most 4 vectors as possible, of even sizes (5 vectors: 3 + 2, not 4 + 1); with
+     * at least 2 vectors in all (TOKEN_LANES_MIN), every tile has 2 to 4 */
     const int64_t ntiles = (nvec + 3) / 4;
     for (int64_t tile = 0, v0 = 0; tile < ntiles; tile++) {
         const int nv = (int)((nvec - v0) / (ntiles - tile) + ((nvec - v0) % (ntiles - tile) != 0));
-        const int tile_rows = nv == 1 ? 16 : nv == 2 ? 8 : 4; /* 12 to 16 accumulators */
+        const int tile_rows = nv == 2 ? 8 : 4; /* 12 to 16 accumulators */
         const uint32_t *xv = x + v0 * vec_stride;
         float *o = out + v0 * LANES * ld;
         const int64_t nt = n - v0 * LANES;
@@ -489,8 +496,7 @@ static void project_token_lanes(const uint16_t *w, int64_t in, int nrows, const 
             switch (nv) {
             case 4: token_lane_tile_4x4(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
             case 3: token_lane_tile_4x3(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
-            case 2: token_lane_tile_8x2(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
-            default: token_lane_tile_16x1(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
+            default: token_lane_tile_8x2(xv, vec_stride, wr, in, nr, nt, o + r0, ld, phase); break;
             }
         }
         v0 += nv;
@@ -747,14 +753,16 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
         project_expert(ctx, s, e, up, H, nrows, s->x_rows, s->x_packed, tile + ROW_BLOCK, ld, wbuf);
         int64_t packed_at[ROW_BLOCK]; /* where hidden column row0 + r of lane 0 goes in a packed vector (2b) */
         for (int r = 0; r < nrows; r++) packed_at[r] = packed_slot((row0 + r) / 2, s->fp / 32) * LANES * 2 + (row0 + r) % 2;
+        /* all tokens first, then the stores: the tokens' SiLUs are independent and overlap */
+        for (int32_t c = 0; c < n; c++) silu_times(tile + c * ld, tile + c * ld + ROW_BLOCK, nrows);
         for (int32_t c = 0; c < n; c++) {
-            float *g = tile + c * ld;
-            const float *u = g + ROW_BLOCK;
-            silu_times(g, u, nrows);
+            const float *g = tile + c * ld;
             const int64_t pos = start + c;
             if (c < s->lane_tokens[e]) { /* bf16 into the packed hidden of the token-lane down projection */
                 uint16_t *h = (uint16_t *)(s->h_packed + (s->lane_vec[e] + c / LANES) * (s->fp / 2 * LANES)) + c % LANES * 2;
-                for (int r = 0; r < nrows; r++) h[packed_at[r]] = f32_to_bf16(g[r]);
+                uint16_t g16[ROW_BLOCK];
+                for (int r = 0; r < nrows; r++) g16[r] = f32_to_bf16(g[r]);
+                for (int r = 0; r < nrows; r++) h[packed_at[r]] = g16[r];
             } else if (s->bf16_dot) {
                 store_f32(s->hidden16, COLIBRI_DTYPE_BF16, (uint64_t)(pos * s->fp + row0), g, nrows);
             } else {
