@@ -662,6 +662,7 @@ static void pack_token_lanes(const colibri_moe_context_t *ctx, cpu_state_t *s) {
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
     for (int32_t e = 0; e < ctx->cfg.num_experts; e++) {
         const int32_t start = s->expert_start[e], n = s->lane_tokens[e];
+        if (n == 0) continue; /* x_packed may not exist at all (no bf16 dot products) */
         uint32_t *dst = s->x_packed + (int64_t)s->lane_vec[e] * pairs * LANES;
         for (int32_t v = 0; v * LANES < n; v++, dst += pairs * LANES)
             for (int64_t slot = 0; slot < pairs; slot++) {
