@@ -709,12 +709,16 @@ static void *forward_with(layer_t *L, int workspace, int threads, colibri_dtype_
 
 static void test_chunking_and_determinism(void) {
     const int T = 64;
-    for (int variant = 0; variant < 2; variant++) {
+    /* Variant 2 is bf16 x bf16 with E = k = 2, so both experts get all 64 tokens: whole forwards take
+     * the token-lane kernel (>= 32 tokens per expert) while chunks of 5 take the row kernel, and the
+     * two must agree bit for bit. */
+    for (int variant = 0; variant < 3; variant++) {
         layer_t L;
-        const colibri_dtype_t act = variant ? COLIBRI_DTYPE_F16 : COLIBRI_DTYPE_F32;
+        const colibri_dtype_t act = variant == 2 ? COLIBRI_DTYPE_BF16 : variant ? COLIBRI_DTYPE_F16 : COLIBRI_DTYPE_F32;
         if (variant == 0) layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, 8, 2, 100, 72, 1, 0);
-        else layer_make(&L, COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F16, 6, 3, 70, 45, 1, 1);
-        L.cfg.routing = variant ? COLIBRI_ROUTING_SIGMOID_BIAS : COLIBRI_ROUTING_SOFTMAX_TOPK;
+        else if (variant == 1) layer_make(&L, COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F16, 6, 3, 70, 45, 1, 1);
+        else layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, 2, 2, 100, 72, 1, 0);
+        L.cfg.routing = variant == 1 ? COLIBRI_ROUTING_SIGMOID_BIAS : COLIBRI_ROUTING_SOFTMAX_TOPK;
         L.cfg.renormalize = 1;
         const size_t out_bytes = (size_t)T * L.out * colibri_dtype_size(act);
         void *x = malloc((size_t)T * L.cfg.hidden_size * colibri_dtype_size(act));
