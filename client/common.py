@@ -10,6 +10,7 @@ non-zero on any FAIL.
 """
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -187,5 +188,18 @@ class SharedMemoryInfer:
             return from_raw(self.read(handle, self.datatype, storage, shape), self.datatype)
         finally:
             for name, handle in reversed(regions):
-                self.unregister(name)
+                self._unregister_when_released(name)
                 self.destroy(handle)
+
+    def _unregister_when_released(self, name, seconds=5.0):
+        """Triton drops its hold on an output region just after the response reaches the client, so
+        an unregister right after infer() can be refused as "currently in use": retry until released."""
+        from tritonclient.utils import InferenceServerException
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                return self.unregister(name)
+            except InferenceServerException as exc:
+                if "currently in use" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
