@@ -28,8 +28,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 import colibri
-from colibri import checkpoint
-from triton_server import REPO_ROOT, free_ports, missing_reason, serving
+from colibri import checkpoint, serve
+from triton_server import REPO_ROOT, missing_reason, serving
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
@@ -198,7 +198,7 @@ def test_server_restarted_under_load(weights, tmp_path, how):
     """The server stopped (SIGTERM: graceful, as `docker stop` does; SIGKILL of tritonserver: a crash)
     and started again on the same ports while clients keep sending."""
     layer = colibri.MoELayer.from_file(weights)
-    ports = free_ports(3)
+    ports = serve.free_ports(3)
     first = serving(weights, tmp_path / "first", ports=ports)
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
@@ -275,7 +275,7 @@ def test_missing_checkpoint_is_refused_before_the_server_starts(tmp_path):
 
 def serve_until_exit(weights: Path, log_dir: Path, limit_s=120):
     """Runs `colibri serve` until it exits; (status, log, whether the server was ever ready, seconds)."""
-    http_port, grpc_port, metrics_port = free_ports(3)
+    http_port, grpc_port, metrics_port = serve.free_ports(3)
     log_path = log_dir / "serve.log"
     start = time.monotonic()
     with open(log_path, "w") as log:

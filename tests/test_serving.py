@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 import colibri
 from colibri import reference, serve
 from colibri.testing import error_limit
-from triton_server import REPO_ROOT, free_ports, missing_reason, serving
+from triton_server import REPO_ROOT, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
 import common  # noqa: E402  (the clients' reference check, shared)
@@ -270,7 +270,7 @@ def test_metadata_and_config_give_the_checkpoints_dims(server, layer):
 
 def test_second_launch_on_a_taken_port_fails_naming_it(server, weights):
     http_port = int(server.http_url.rsplit(":", 1)[1])
-    grpc_port, metrics_port = free_ports(2)
+    grpc_port, metrics_port = serve.free_ports(2)
     second = subprocess.run(
         [sys.executable, "-m", "colibri", "serve", "--weights", str(weights), "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],

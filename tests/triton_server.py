@@ -3,7 +3,6 @@ serve`) on free ports, and always stopped."""
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,6 @@ def missing_reason():
     return None
 
 
-def free_ports(count: int):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class Server:
     def __init__(self, http_port, grpc_port, metrics_port, log_path):
         self.http_url = f"127.0.0.1:{http_port}"
@@ -56,7 +44,8 @@ class Server:
 def serving(weights: Path, log_dir: Path, *serve_args, ports=None):
     """Yields a ready Server serving `weights` (on `ports`, else free ones); stops it on exit, whatever
     happened inside."""
-    http_port, grpc_port, metrics_port = ports or free_ports(3)
+    from colibri import serve
+    http_port, grpc_port, metrics_port = ports or serve.free_ports(3)
     server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
     with open(server.log_path, "w") as log:
         launcher = subprocess.Popen(

@@ -171,6 +171,19 @@ def check_ports_free(host: str, ports: dict) -> None:
                                  f"holds it? Choose another with --{name.lower()}-port") from None
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list:
+    """count ports the system has just handed out as free on host (for tests and benchmarks that
+    start servers side by side; `serve` itself takes the ports it is given)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float, server_id: str = None) -> None:
     """Until `url` (a Triton readiness endpoint) answers 200 while `server` still runs. With
     server_id, the server answering must also report it as its --id (GET /v2): one that took the

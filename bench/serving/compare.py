@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,17 +35,6 @@ from colibri import checkpoint, serve  # noqa: E402
 
 BASELINES = REPO_ROOT / "bench" / "serving" / "model_repository"
 MODELS = ("identity", "torch_moe", "colibri_moe")
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def build_repository(root: Path, device: str, dtype: str) -> Path:
@@ -70,7 +58,7 @@ class Server:
     """`python -m colibri serve` on the repository, on free ports, stopped on exit."""
 
     def __init__(self, repository, weights, device, dtype, log_path):
-        self.http_port, self.grpc_port, metrics_port = free_ports(3)
+        self.http_port, self.grpc_port, metrics_port = serve.free_ports(3)
         self.log = open(log_path, "w")
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--model-repository", str(repository), "--weights", str(weights),
