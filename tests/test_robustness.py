@@ -35,7 +35,6 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import colibri
-from colibri import checkpoint
 from colibri.testing import error_limit
 from triton_server import REPO_ROOT, missing_reason, serving
 
@@ -55,16 +54,15 @@ HYPOTHESIS = settings(max_examples=EXAMPLES, deadline=None, database=None, print
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    path = tmp_path_factory.mktemp("weights") / "robust.colibri.safetensors"
-    checkpoint.write_demo(path, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=11)
-    return path
+def weights(serving_weights):
+    return serving_weights
 
 
 @pytest.fixture(scope="module")
-def server(weights, tmp_path_factory):
-    with serving(weights, tmp_path_factory.mktemp("logs")) as running:
-        yield running
+def server(colibri_server):
+    # The session's server (conftest.py): every test here must leave it serving correctly, which is
+    # what they check; only the request that kills Triton gets a server of its own.
+    return colibri_server
 
 
 @pytest.fixture(scope="module")
