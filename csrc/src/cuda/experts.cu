@@ -22,19 +22,6 @@
 /* Shared memory one block may take so that two fit on an H200 SM (228 KB, 1 KB reserved per block). */
 #define MMA_SMEM_TWO_PER_SM (113 * 1024)
 
-struct MmaArgs {
-    const char *w;            /* first matrix of expert 0: [N, K] */
-    size_t w_expert_stride;
-    size_t w_second;          /* GLU: bytes from the gate matrix to the up matrix */
-    int32_t n, k;
-    const void *x;            /* rows of K elements, the weight dtype */
-    const int32_t *row_map;   /* position p reads x row row_map[p] / row_div; NULL: row p */
-    int32_t row_div;
-    void *out;                /* [positions, N], the weight dtype */
-    const ExpertTile *tiles;
-    const int32_t *num_tiles;
-};
-
 /* One smem row holds BK 16-bit elements. Chunk c (16 bytes) of row r lives at chunk c ^ (r & 7) for
  * 128-byte rows and c ^ ((r >> 1) & 3) for 64-byte rows: either way the 8 rows one ldmatrix phase reads
  * hit 8 different 16-byte bank groups. */
@@ -99,7 +86,7 @@ template <int BM, bool GLU, int BK> constexpr size_t mma_smem_bytes() {
 }
 
 template <class T, int BM, bool GLU, int BK>
-__global__ void __launch_bounds__(MMA_THREADS) mma_kernel(MmaArgs a) {
+__global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
     constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = 8 / WARPS_M;
     constexpr int WTM = BM / WARPS_M, WTN = MMA_BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
     constexpr int NMAT = GLU ? 2 : 1, STAGES = mma_stages<BM, GLU, BK>();
@@ -257,7 +244,7 @@ template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k) {
 }
 
 template <class T, int BM, bool GLU>
-static cudaError_t mma_launch_bm(const MmaArgs &a, dim3 grid, bool wide_k, cudaStream_t stream) {
+static cudaError_t mma_launch_bm(const ProjArgs &a, dim3 grid, bool wide_k, cudaStream_t stream) {
     if constexpr (mma_bk<BM, GLU>() == 64)
         if (wide_k)
             return colibri_launch(mma_kernel<T, BM, GLU, 64>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 64>(),
@@ -266,7 +253,7 @@ static cudaError_t mma_launch_bm(const MmaArgs &a, dim3 grid, bool wide_k, cudaS
 }
 
 template <class T, bool GLU>
-static cudaError_t mma_launch(const MmaArgs &a, int tile_m, int64_t slots, bool wide_k, cudaStream_t stream) {
+static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
     switch (tile_m) {
     case 16: return mma_launch_bm<T, 16, GLU>(a, grid, wide_k, stream);
@@ -313,36 +300,21 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
     const int64_t slots = assignments / tile_m + active;
-    if (tile_m == GEMV_GROUP) {
-        GemvArgs a = {};
-        a.w = b->d_weights + first;
-        a.w_expert_stride = b->expert_stride;
-        a.w_second = second;
-        a.n = n;
-        a.k = k;
-        a.x = x;
-        a.row_map = row_map;
-        a.row_div = ctx->cfg.top_k;
-        a.out = out;
-        a.tiles = b->tiles;
-        a.num_tiles = b->num_tiles;
-        return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
-    }
-    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
-        MmaArgs a = {};
-        a.w = b->d_weights + first;
-        a.w_expert_stride = b->expert_stride;
-        a.w_second = second;
-        a.n = n;
-        a.k = k;
-        a.x = x;
-        a.row_map = row_map;
-        a.row_div = ctx->cfg.top_k;
-        a.out = out;
-        a.tiles = b->tiles;
-        a.num_tiles = b->num_tiles;
+    ProjArgs a = {};
+    a.w = b->d_weights + first;
+    a.w_expert_stride = b->expert_stride;
+    a.w_second = second;
+    a.n = n;
+    a.k = k;
+    a.x = x;
+    a.row_map = row_map;
+    a.row_div = ctx->cfg.top_k;
+    a.out = out;
+    a.tiles = b->tiles;
+    a.num_tiles = b->num_tiles;
+    if (tile_m == GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
+    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value)
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, stream);
-    }
     return cudaErrorInvalidValue;
 }
 

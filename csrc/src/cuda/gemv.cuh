@@ -17,7 +17,9 @@
 #define GEMV_WARPS 8
 #define GEMV_GROUP 8 /* most positions one block serves: the tile_m of the few-tokens path */
 
-struct GemvArgs {
+/* One projection over expert rows, for the gemv kernel here and the tensor-core kernel (experts.cu),
+ * which takes x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
+struct ProjArgs {
     const char *w;            /* matrix of expert 0: [N, K] weight dtype, row-major */
     size_t w_expert_stride;   /* bytes from one expert's matrix to the next */
     size_t w_second;          /* GLU: bytes from the gate matrix to the up matrix */
@@ -33,7 +35,7 @@ struct GemvArgs {
 
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. */
 template <class TW, class TX, class TO, int VW, bool GLU, int NT>
-__device__ __forceinline__ void gemv_rows(const GemvArgs &a, const TW *w0, const TW *w1, int p0, int count, int n,
+__device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, int p0, int count, int n,
                                           int lane) {
     constexpr int UNROLL = VW == 1 ? 1 : 4;
     constexpr int STEP = 32 * VW;
@@ -104,7 +106,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs &a, const TW *w0, const
 }
 
 template <class TW, class TX, class TO, int VW, bool GLU>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(GemvArgs a) {
+__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(ProjArgs a) {
     pdl_begin();
     int expert = 0, p0, p1;
     if (a.tiles) {
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(GemvArgs a) {
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
  * otherwise one element at a time. */
 template <class TW, class TX, class TO, bool GLU>
-static cudaError_t gemv_launch(const GemvArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
+static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
     if (vec) return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), GLU>, grid, GEMV_WARPS * 32, 0, stream, a);
     return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU>, grid, GEMV_WARPS * 32, 0, stream, a);

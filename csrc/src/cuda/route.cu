@@ -92,7 +92,7 @@ static cudaError_t launch_topk(const colibri_moe_config_t *c, const float *logit
 static cudaError_t launch_logits(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype,
                                  const void *input, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    GemvArgs a = {};
+    ProjArgs a = {};
     a.w = (const char *)b->router;
     a.n = ctx->cfg.num_experts;
     a.k = ctx->cfg.hidden_size;
