@@ -21,7 +21,13 @@ Settings, as Locust options or environment variables (defaults in brackets):
                                  them for exact percentiles and P99 against concurrency)
   LOADTEST_STEPS, LOADTEST_STEP_TIME  "1,4,16" and seconds: a stepped user ramp (P99 against
                                  concurrency in one run); without them -u/-t apply
+  --rate      LOADTEST_RATE      requests per second per user (an open-loop, fixed offered load:
+                                 Locust's constant_throughput); 0 = closed loop, the next request as
+                                 soon as the answer is in [0]
 Pick the protocols by naming the user classes: `locust -f loadtest/locustfile.py GrpcUser HttpUser`.
+CudaShmUser sends over gRPC with hidden_states and output in CUDA shared memory (one input and one
+output region per user, registered once): the path of a client whose hidden states already live on
+a GPU. It needs a GPU, torch and cuda-python; its latency includes the device copy into the region.
 """
 import atexit
 import csv
@@ -36,7 +42,7 @@ from urllib.parse import urlsplit
 # Locust patches the standard library for gevent when it is imported; gRPC's C core has its own
 # threads and must be told to hand its waits to gevent, before any channel exists, or one user's
 # blocking call stalls every greenlet in the process.
-from locust import LoadTestShape, User, events, task
+from locust import LoadTestShape, User, constant_throughput, events, task
 import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
@@ -98,6 +104,8 @@ def add_arguments(parser):
                        help="hidden size H, when the model config leaves it -1 (default: asked of the server)")
     group.add_argument("--samples-dir", env_var="LOADTEST_SAMPLES_DIR", default="",
                        help="write one CSV row per request into this folder")
+    group.add_argument("--rate", env_var="LOADTEST_RATE", type=float, default=0.0,
+                       help="requests per second per user (fixed offered load); 0: closed loop")
 
 
 @events.test_start.add_listener
@@ -106,6 +114,8 @@ def check_options(environment, **_kwargs):
     if options is not None:  # fail before the first user, with the option's own message
         parse_mix(options.mix)
         parse_range(options.prefill_tokens)
+        if not options.rate >= 0:
+            raise ValueError(f"--rate {options.rate}: expected requests per second per user, >= 0")
 
 
 # --- the model, as the server describes it ---------------------------------------------------------
@@ -226,28 +236,40 @@ class TritonUser(User):
         self.prefill_range = (min(low, self.shape["max_tokens"]), min(high, self.shape["max_tokens"]))
         self.pool = input_pool(self.shape, self.prefill_range[1])
         self.profiles, self.weights = list(self.mix), list(self.mix.values())
+        self._pace = constant_throughput(options.rate) if options.rate > 0 else (lambda _user: 0.0)
 
     def on_stop(self):
         _open_clients.discard(self.client)
         self.client.close()
 
+    def wait_time(self):
+        """0 in a closed loop; with --rate, Locust's constant_throughput pacing."""
+        return self._pace(self)
+
+    def prepare(self, tokens: int):
+        """(inputs, outputs) of a request of `tokens` rows; not timed (the client's own work)."""
+        tensor = self.client_module.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
+        tensor.set_data_from_numpy(self.pool[:tokens])
+        return [tensor], [self.client_module.InferRequestedOutput("output", **self.output_options)]
+
+    def output_shape(self, result):
+        output = result.as_numpy("output")
+        return None if output is None else list(output.shape), 0 if output is None else output.nbytes
+
     @task
     def request(self):
         profile = random.choices(self.profiles, self.weights)[0]
         tokens = 1 if profile == "decode" else random.randint(*self.prefill_range)
-        tensor = self.client_module.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
-        tensor.set_data_from_numpy(self.pool[:tokens])
-        outputs = [self.client_module.InferRequestedOutput("output", **self.output_options)]
         exception, length = None, 0
         start = time.perf_counter()
         try:
-            result = self.client.infer(self.model, [tensor], outputs=outputs, **self.infer_options)
+            inputs, outputs = self.prepare(tokens)
+            start = time.perf_counter()
+            result = self.client.infer(self.model, inputs, outputs=outputs, **self.infer_options)
             elapsed_ms = (time.perf_counter() - start) * 1000.0
-            output = result.as_numpy("output")
-            if output is None or output.shape != (tokens, self.shape["hidden"]):
-                raise WrongAnswer(f"output shape {None if output is None else list(output.shape)}, "
-                                  f"expected [{tokens}, {self.shape['hidden']}]")
-            length = output.nbytes
+            shape, length = self.output_shape(result)
+            if shape != [tokens, self.shape["hidden"]]:
+                raise WrongAnswer(f"output shape {shape}, expected [{tokens}, {self.shape['hidden']}]")
         except Exception as exc:  # every failure is the request's, reported to Locust, never raised
             elapsed_ms = (time.perf_counter() - start) * 1000.0
             exception = exc
@@ -281,6 +303,67 @@ class HttpUser(TritonUser):
     def make_client(self, options):
         return httpclient.InferenceServerClient(http_address(self.host), connection_timeout=REQUEST_TIMEOUT_S,
                                                 network_timeout=REQUEST_TIMEOUT_S)
+
+
+# torch element types of the wire datatypes (bf16 regions hold bf16 bits, not tritonclient's float32)
+_TORCH_WIRE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
+_gpu_pools = {}
+
+
+class CudaShmUser(GrpcUser):
+    """gRPC with hidden_states and output in CUDA shared memory, registered once per user: a request
+    copies its rows device to device into the input region (not timed, like the other users' encoding)
+    and names both regions; nothing crosses the wire but the request header. Latency is the round
+    trip; the output stays on the GPU, as a GPU consumer would take it, its shape checked from the
+    reply."""
+    protocol = "cudashm"
+    device_id = int(os.environ.get("LOADTEST_CUDA_DEVICE", "0"))
+
+    def on_start(self):
+        import torch  # here, not at import: only this user needs a GPU
+        import tritonclient.utils.cuda_shared_memory as cudashm
+        self.cudashm, self.regions = cudashm, []
+        super().on_start()
+        key = (self.shape["hidden"], self.shape["wire"])
+        pool = _gpu_pools.get(key)
+        if pool is None or pool.shape[0] < self.pool.shape[0]:
+            dtype = getattr(torch, _TORCH_WIRE[self.shape["wire"]])
+            pool = torch.from_numpy(self.pool).to(f"cuda:{self.device_id}").to(dtype).contiguous()
+            _gpu_pools[key] = pool
+        self.gpu_pool = pool
+        self.row_bytes = self.shape["hidden"] * pool.element_size()
+        nbytes = self.prefill_range[1] * self.row_bytes
+        tag = f"locust_{os.getpid()}_{id(self):x}"
+        self.input_region, self.output_region = f"{tag}_in", f"{tag}_out"
+        for name in (self.input_region, self.output_region):
+            handle = cudashm.create_shared_memory_region(name, nbytes, self.device_id)
+            self.regions.append((name, handle))
+            self.client.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), self.device_id, nbytes)
+        self.handle_in = self.regions[0][1]
+
+    def on_stop(self):
+        for name, handle in reversed(self.regions):
+            try:
+                self.client.unregister_cuda_shared_memory(name)
+            except Exception:  # Triton may still hold an output region for a moment; the server frees it
+                pass
+            self.cudashm.destroy_shared_memory_region(handle)
+        self.regions = []
+        super().on_stop()
+
+    def prepare(self, tokens: int):
+        nbytes = tokens * self.row_bytes
+        self.cudashm.set_shared_memory_region_from_dlpack(self.handle_in, [self.gpu_pool[:tokens]])
+        tensor = grpcclient.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
+        tensor.set_shared_memory(self.input_region, nbytes)
+        output = grpcclient.InferRequestedOutput("output")
+        output.set_shared_memory(self.output_region, nbytes)
+        return [tensor], [output]
+
+    def output_shape(self, result):
+        output = result.get_output("output")
+        return (None, 0) if output is None else ([int(d) for d in output.shape],
+                                                 int(np.prod(output.shape)) * self.row_bytes // self.shape["hidden"])
 
 
 if os.environ.get("LOADTEST_STEPS"):

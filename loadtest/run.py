@@ -21,7 +21,7 @@ sys.path.insert(0, str(HERE))
 import summary as load_summary  # noqa: E402  (beside this file)
 
 LOCUSTFILE = HERE / "locustfile.py"
-USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser"}
+USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser", "cudashm": "CudaShmUser"}  # cudashm: GPU, torch, cuda-python
 
 
 class NotReady(RuntimeError):
@@ -44,12 +44,13 @@ def check_ready(host: str, model: str) -> None:
 def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_moe", users: int = 8,
              run_time: str = "30s", mix: str = "decode-heavy", protocols=("grpc", "http"),
              prefill_tokens: str = "128-2048", hidden: int = 0, steps: str = "", step_time: float = 10.0,
-             processes: int = 0, quiet: bool = False, title: str = "") -> dict:
+             processes: int = 0, rate: float = 0.0, quiet: bool = False, title: str = "") -> dict:
     """One Locust run into `out` (emptied of earlier samples first); returns the summary.
 
     steps ("1,4,16") replaces users/run_time by a stepped ramp of step_time seconds each.
     processes > 1 runs that many Locust worker processes (--processes), for when one load-generator
-    core is the bottleneck."""
+    core is the bottleneck. rate > 0: each user sends that many requests per second at most (a fixed
+    offered load of users * rate while the server keeps up), instead of a closed loop."""
     out = out.resolve()  # locust runs in this folder
     out.mkdir(parents=True, exist_ok=True)
     for stale in list(out.glob("samples-*.csv")) + list(out.glob("locust*")):
@@ -64,6 +65,8 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
         command += ["--grpc-url", grpc_url]
     if hidden:
         command += ["--hidden", str(hidden)]
+    if rate > 0:
+        command += ["--rate", repr(float(rate))]
     if processes > 1:
         command += ["--processes", str(processes)]
     env = dict(os.environ)
@@ -77,7 +80,8 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
     summary = load_summary.write(out, "locust", title or (
         f"{model}, users stepped {steps} ({step_time:g} s each)" if steps else f"{model}, {users} users, {run_time}")
         + f", mix {mix}")
-    summary.update(model=model, users=users, mix=mix, protocols=list(protocols), locust_exit_status=result.returncode)
+    summary.update(model=model, users=users, mix=mix, protocols=list(protocols), rate_per_user=rate,
+                   locust_exit_status=result.returncode)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -99,6 +103,8 @@ def parse_args(argv):
     p.add_argument("--step-time", type=float, default=float(env("LOADTEST_STEP_TIME", "15")))
     p.add_argument("--processes", type=int, default=int(env("LOADTEST_PROCESSES", "0")),
                    help="Locust worker processes (gevent in each); 0: one process")
+    p.add_argument("--rate", type=float, default=float(env("LOADTEST_RATE", "0")),
+                   help="requests per second per user: a fixed offered load (0: closed loop)")
     p.add_argument("--out", type=Path, default=Path(env("LOADTEST_OUT", "runs/loadtest")))
     return p.parse_args(argv)
 
@@ -110,6 +116,9 @@ def main(argv=None) -> int:
     if unknown or not protocols:
         print(f"loadtest: --protocols takes {','.join(USER_CLASSES)}, got {args.protocols!r}", file=sys.stderr)
         return 2
+    if not args.rate >= 0:
+        print(f"loadtest: --rate {args.rate}: expected requests per second per user, >= 0", file=sys.stderr)
+        return 2
     try:
         check_ready(args.host, args.model)
     except NotReady as exc:
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
     summary = run_load(args.out.resolve(), host=args.host, grpc_url=args.grpc_url, model=args.model,
                        users=args.users, run_time=args.time, mix=args.mix, protocols=protocols,
                        prefill_tokens=args.prefill_tokens, steps=args.steps, step_time=args.step_time,
-                       processes=args.processes)
+                       processes=args.processes, rate=args.rate)
     print(f"\nloadtest: {args.model} at {args.host}, mix {args.mix}, "
           + (f"users stepped {args.steps} ({args.step_time:.0f} s each)" if args.steps else
              f"{args.users} users for {args.time}")

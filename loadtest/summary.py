@@ -112,13 +112,20 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
         users, ramping = users_at(history, samples["end"])
         summary["max_users"] = int(history[1].max())
         for count in sorted(set(users[~ramping].tolist())):
+            level = (users == count) & ~ramping
+            # the level's length: from its first to its last answer, whatever the profile
+            span = float(np.ptp(samples["end"][level])) if level.sum() > 1 else 0.0
             for group in groups:
-                mask = ((users == count) & ~ramping & ok & (samples["protocol"] == group["protocol"])
+                mask = (level & ok & (samples["protocol"] == group["protocol"])
                         & (samples["profile"] == group["profile"]))
                 if mask.any():
-                    summary["by_users"].append({"users": int(count), "protocol": group["protocol"],
-                                                "profile": group["profile"], "requests": int(mask.sum()),
-                                                **percentiles(samples["latency_ms"][mask])})
+                    summary["by_users"].append({
+                        "users": int(count), "protocol": group["protocol"], "profile": group["profile"],
+                        "requests": int(mask.sum()), "failures": int((level & ~ok & (samples["protocol"] == group[
+                            "protocol"]) & (samples["profile"] == group["profile"])).sum()),
+                        "seconds": span, "throughput_rps": float(mask.sum() / span) if span > 0 else None,
+                        "tokens_per_s": float(samples["tokens"][mask].sum() / span) if span > 0 else None,
+                        **percentiles(samples["latency_ms"][mask])})
     return summary, samples, history
 
 

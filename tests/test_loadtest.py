@@ -42,6 +42,9 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
         assert (group["mean_tokens"] == 1) if key[1] == "decode" else (2 <= group["mean_tokens"] <= 24), key
     assert summary["total"]["locust_failures"] == 0
     assert sorted({r["users"] for r in summary["by_users"]}) == list(STEPS)
+    for level in summary["by_users"]:  # each step's own throughput, over that step's time
+        assert 0 < level["seconds"] <= STEP_SECONDS + 1 and level["failures"] == 0, level
+        assert level["throughput_rps"] == pytest.approx(level["requests"] / level["seconds"]), level
 
     with open(out / "locust_stats_history.csv", newline="") as f:
         history = list(csv.DictReader(f))
@@ -64,3 +67,52 @@ def test_no_server_is_a_clear_error(tmp_path):
     assert result.returncode == 2
     assert "not ready" in result.stderr and "make serve" in result.stderr, result.stderr
     assert not list(tmp_path.iterdir()), "nothing may be written when there is no server"
+
+
+def test_rate_fixes_the_offered_load(colibri_server, tmp_path):
+    """--rate paces each user (Locust's constant_throughput): 2 users at 3 requests/s each offer 6 per
+    second, where the same small model answers hundreds per second in a closed loop."""
+    out = tmp_path / "paced"
+    result = subprocess.run(
+        [sys.executable, str(RUN), "--host", f"http://{colibri_server.http_url}", "--grpc-url", colibri_server.grpc_url,
+         "--protocols", "grpc", "--mix", "decode", "--users", "2", "--time", "6s", "--rate", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=55)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rate_per_user"] == 3.0 and summary["total"]["failures"] == 0
+    # 6 s at 6 requests/s: about 36 requests (the first of each user goes out at once)
+    assert 24 <= summary["total"]["requests"] <= 44, summary["total"]
+
+
+def test_bad_rate_is_refused(tmp_path):
+    result = subprocess.run([sys.executable, str(RUN), "--rate", "-1", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and "--rate" in result.stderr, result.stderr
+
+
+def test_sweep_picks_the_highest_throughput_within_the_budget():
+    """bench/serving/compare.py's sweep: per user count, the budget profile's P99 and the throughput of
+    all profiles; a level over budget or with failures is not eligible even when it is faster."""
+    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+
+    def row(users, profile, rps, tokens, p99, failures=0):
+        return {"users": users, "protocol": "grpc", "profile": profile, "throughput_rps": rps,
+                "tokens_per_s": tokens, "p50_ms": p99 / 2, "p99_ms": p99, "failures": failures}
+
+    summary = {"by_users": [
+        row(4, "prefill", 10.0, 10000.0, 50.0), row(4, "decode", 5.0, 5.0, 9.0),
+        row(8, "prefill", 18.0, 18000.0, 190.0), row(8, "decode", 6.0, 6.0, 300.0),  # decode P99 is not budgeted
+        row(16, "prefill", 30.0, 30000.0, 250.0), row(16, "decode", 7.0, 7.0, 10.0),  # over budget
+        row(32, "prefill", 40.0, 40000.0, 100.0, failures=1), row(32, "decode", 8.0, 8.0, 10.0),  # a failure
+    ]}
+    result = compare.sweep_result("colibri_moe", summary, "prefill", 200.0)
+    assert [lv["users"] for lv in result["levels"]] == [4, 8, 16, 32]
+    assert result["levels"][1]["rps"] == pytest.approx(24.0) and result["levels"][1]["tokens_per_s"] == pytest.approx(18006.0)
+    assert result["best"]["users"] == 8 and result["best"]["p99_ms"] == 190.0
+    assert compare.sweep_result("torch_moe", summary, "prefill", 40.0)["best"] is None
+    text = compare.sweep_table([result, {**compare.sweep_result("torch_moe", summary, "prefill", 60.0)}], "prefill", 200.0)
+    assert "colibri/torch: 1.80x tokens/s" in text, text

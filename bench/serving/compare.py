@@ -12,7 +12,15 @@ compare.png (P50/P95/P99 per model), each run's Locust files, and per profile an
 ratio colibri/torch and the identity model's P99 (the part of P99 that is not the layer's).
 
     python bench/serving/compare.py [--shape 8,2,256,512 | --weights FILE] [--users 16 --time 30s
-        --mixes decode-heavy,prefill-heavy --protocols grpc,http --device auto --out runs/serving]
+        --mixes decode-heavy,prefill-heavy --protocols grpc,http,cudashm --device auto --out runs/serving
+        --load closed|auto:0.7|RPS --sweep 4,8,16,32,64 --budget-ms 200]
+
+--load: `closed` (each user sends its next request when the answer is in: the faster model is also
+offered more), `auto:F` (per mix and protocol, torch_moe first runs closed-loop, and then every model
+gets the same fixed offered load, F times the throughput torch_moe reached: a load it sustains), or a
+number of requests per second in all. --sweep: per model, one closed-loop run stepping through those
+user counts (--step-time s each) with --sweep-mix over --sweep-protocol, and the highest throughput
+(requests/s and tokens/s) at which the --budget-profile P99 stays within --budget-ms.
 
 Needs torch in the server's Python (pip install -c constraints.txt torch) and the venv's locust.
 On a GPU node with no registry access: see bench/serving/README.md for what to carry.
@@ -24,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -35,6 +44,32 @@ from colibri import checkpoint, serve  # noqa: E402
 
 BASELINES = REPO_ROOT / "bench" / "serving" / "model_repository"
 MODELS = ("identity", "torch_moe", "colibri_moe")
+
+
+def write_demo(path: Path, E: int, k: int, H: int, F: int, dtype: str) -> None:
+    """A demo checkpoint; bf16 ones drawn with torch on the GPU when there is one (a Mixtral-size layer
+    is 1.4 G weights: seconds there, minutes with numpy on the host), else checkpoint.write_demo."""
+    try:
+        import torch
+        on_gpu = dtype == "bf16" and torch.cuda.is_available()
+    except ImportError:
+        on_gpu = False
+    if not on_gpu:
+        checkpoint.write_demo(path, experts=E, top_k=k, hidden=H, intermediate=F, dtype=dtype)
+        return
+    import numpy as np
+    from colibri.layer import LayerConfig
+    config = LayerConfig(expert_kind="swiglu", num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
+                         weight_dtype="bf16", routing="softmax_topk", renormalize=True, routed_scaling_factor=1.0,
+                         has_router=True)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    packed = np.empty((E, 3 * F * H), np.uint16)
+    for e in range(E):  # weights ~ N(0, 1/fan_in), as checkpoint.write_demo draws them
+        gate_up = torch.randn(2 * F * H, generator=generator, device="cuda") / H ** 0.5
+        down = torch.randn(H * F, generator=generator, device="cuda") / F ** 0.5
+        packed[e] = torch.cat([gate_up, down]).to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16)
+    router = (torch.randn(E, H, generator=generator, device="cuda") / H ** 0.5).cpu().numpy()
+    checkpoint.save(path, config, packed, router, None, {"source": "bench/serving/compare.py demo (torch, seed 0)"})
 
 
 def build_repository(root: Path, device: str, dtype: str) -> Path:
@@ -107,6 +142,71 @@ def compare(runs):
     return rows
 
 
+def sweep_result(model, summary, profile, budget_ms) -> dict:
+    """Per user count: the budget profile's P99 and the throughput of all profiles together; and the
+    highest throughput at a level whose P99 is within the budget."""
+    levels = {}
+    for r in summary["by_users"]:
+        level = levels.setdefault(r["users"], {"users": r["users"], "rps": 0.0, "tokens_per_s": 0.0, "failures": 0,
+                                               "p99_ms": None, "p50_ms": None})
+        level["rps"] += r["throughput_rps"] or 0.0
+        level["tokens_per_s"] += r["tokens_per_s"] or 0.0
+        level["failures"] += r["failures"]
+        if r["profile"] == profile:
+            level["p99_ms"], level["p50_ms"] = r["p99_ms"], r["p50_ms"]
+    levels = [levels[u] for u in sorted(levels)]
+    within = [lv for lv in levels if lv["p99_ms"] is not None and lv["p99_ms"] <= budget_ms and not lv["failures"]]
+    best = max(within, key=lambda lv: lv["tokens_per_s"], default=None)
+    return {"model": model, "levels": levels, "best": best}
+
+
+def sweep_table(sweeps, profile, budget_ms) -> str:
+    lines = [f"throughput sweep ({profile} P99 budget {budget_ms:g} ms):",
+             f"{'model':12} {'users':>5} {'req/s':>8} {'tokens/s':>10} {profile + ' P50':>12} {profile + ' P99':>12} "
+             f"{'fails':>5}"]
+    for sw in sweeps:
+        for lv in sw["levels"]:
+            p50 = "-" if lv["p50_ms"] is None else f"{lv['p50_ms']:.1f}"
+            p99 = "-" if lv["p99_ms"] is None else f"{lv['p99_ms']:.1f}"
+            mark = " <- best within budget" if lv is sw["best"] else ""
+            lines.append(f"{sw['model']:12} {lv['users']:5d} {lv['rps']:8.1f} {lv['tokens_per_s']:10.0f} {p50:>12} "
+                         f"{p99:>12} {lv['failures']:5d}{mark}")
+    best = {sw["model"]: sw["best"] for sw in sweeps}
+    if best.get("colibri_moe") and best.get("torch_moe"):
+        ours, theirs = best["colibri_moe"], best["torch_moe"]
+        lines.append(f"highest throughput within budget, colibri/torch: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
+                     f"tokens/s ({ours['rps'] / theirs['rps']:.2f}x requests/s)")
+    else:
+        for model, level in best.items():
+            found = "no level within budget" if level is None else f"{level['tokens_per_s']:.0f} tokens/s"
+            lines.append(f"highest throughput within budget, {model}: {found}")
+    return "\n".join(lines)
+
+
+def plot_sweeps(sweeps, path: Path, title: str, budget_ms: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    colors = {"torch_moe": "tab:red", "colibri_moe": "tab:blue"}
+    for sw in sweeps:
+        points = [(lv["tokens_per_s"], lv["p99_ms"], lv["users"]) for lv in sw["levels"] if lv["p99_ms"] is not None]
+        if not points:
+            continue
+        x, y, users = zip(*points)
+        ax.plot(x, y, "o-", color=colors.get(sw["model"]), label=sw["model"])
+        for xi, yi, u in points:
+            ax.annotate(str(u), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.axhline(budget_ms, color="k", linestyle="--", linewidth=1, label=f"budget {budget_ms:g} ms")
+    ax.set(xlabel="throughput (tokens/s, all profiles)", ylabel="P99 latency ms (labels: users)", yscale="log")
+    ax.legend(fontsize=8)
+    ax.set_title(textwrap.fill(title, 95), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def table(runs, ratios) -> str:
     lines = [f"{'mix':14} {'proto':5} {'profile':8} {'model':12} {'requests':>8} {'fails':>5} {'P50 ms':>8} "
              f"{'P95 ms':>8} {'P99 ms':>8} {'req/s':>7}"]
@@ -169,6 +269,13 @@ def parse_args(argv):
     p.add_argument("--prefill-tokens", default="128-2048")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--processes", type=int, default=0, help="Locust worker processes (0: one)")
+    p.add_argument("--load", default="closed", help="closed, auto[:F] or requests per second in all (see above)")
+    p.add_argument("--sweep", default="", help="user counts of the throughput sweep, e.g. 4,8,16,32,64")
+    p.add_argument("--sweep-mix", default="prefill-heavy")
+    p.add_argument("--sweep-protocol", default="grpc")
+    p.add_argument("--step-time", type=float, default=10.0, help="seconds per user count of the sweep")
+    p.add_argument("--budget-ms", type=float, default=200.0, help="P99 budget of the sweep")
+    p.add_argument("--budget-profile", default="prefill", choices=("prefill", "decode"))
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "serving")
     return p.parse_args(argv)
 
@@ -182,36 +289,68 @@ def main(argv=None) -> int:
         if args.weights is None:
             E, k, H, F = (int(v) for v in args.shape.split(","))
             args.weights = tmp / "compare.colibri.safetensors"
-            checkpoint.write_demo(args.weights, experts=E, top_k=k, hidden=H, intermediate=F, dtype=args.weight_dtype)
+            started = time.monotonic()
+            write_demo(args.weights, E, k, H, F, args.weight_dtype)
+            print(f"compare: wrote a demo checkpoint {args.shape} ({args.weights.stat().st_size / 2**30:.2f} GiB) "
+                  f"in {time.monotonic() - started:.1f} s", flush=True)
         config = checkpoint.load(args.weights).config
         shape = (f"E={config.num_experts} k={config.top_k} H={config.hidden_size} F={config.intermediate_size} "
                  f"{config.weight_dtype} weights, {args.dtype} activations, device {args.device}")
         print(f"compare: {shape}; {args.users} users, {args.time} per run", flush=True)
-        runs = []
+        runs, calibrations, sweeps = [], [], []
         with Server(build_repository(tmp, args.device, args.dtype), args.weights, args.device, args.dtype,
                     args.out / "tritonserver.log") as server:
-            for mix in args.mixes.split(","):
-                for protocol in args.protocols.split(","):
+            def load(folder, model, mix, protocol, rate=0.0, steps=""):
+                started = time.monotonic()
+                summary = loadtest.run_load(
+                    args.out / folder, host=server.host, grpc_url=server.grpc_url, model=model, users=args.users,
+                    run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
+                    hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
+                    step_time=args.step_time, quiet=True)
+                t = summary["total"]
+                print(f"  {folder}: {t['requests']} requests, {t['failures']} failed, P99 {t['p99_ms']:.2f} ms, "
+                      f"{t['throughput_rps']:.1f} req/s ({time.monotonic() - started:.0f} s)", flush=True)
+                return summary
+
+            for mix in filter(None, args.mixes.split(",")):
+                for protocol in filter(None, args.protocols.split(",")):
+                    total_rps = 0.0
+                    if args.load.startswith("auto"):
+                        fraction = float(args.load.partition(":")[2] or 0.7)
+                        reached = load(f"{mix}-{protocol}-torch_moe-closed", "torch_moe", mix, protocol)
+                        total_rps = fraction * reached["total"]["throughput_rps"]
+                        calibrations.append({"mix": mix, "protocol": protocol, "fraction": fraction,
+                                             "torch_closed_loop_rps": reached["total"]["throughput_rps"],
+                                             "torch_closed_loop_p99_ms": reached["total"]["p99_ms"],
+                                             "offered_rps": total_rps})
+                    elif args.load != "closed":
+                        total_rps = float(args.load)
                     for model in models:
-                        started = time.monotonic()
-                        summary = loadtest.run_load(
-                            args.out / f"{mix}-{protocol}-{model}", host=server.host, grpc_url=server.grpc_url,
-                            model=model, users=args.users, run_time=args.time, mix=mix, protocols=[protocol],
-                            prefill_tokens=args.prefill_tokens, hidden=config.hidden_size,
-                            processes=args.processes, quiet=True)
+                        summary = load(f"{mix}-{protocol}-{model}", model, mix, protocol, rate=total_rps / args.users)
                         for group in summary["groups"]:
-                            runs.append({"mix": mix, "model": model, **group})
-                        print(f"  {mix} {protocol} {model}: {summary['total']['requests']} requests, "
-                              f"{summary['total']['failures']} failed, P99 {summary['total']['p99_ms']:.2f} ms "
-                              f"({time.monotonic() - started:.0f} s)", flush=True)
+                            runs.append({"mix": mix, "model": model, "offered_rps": total_rps or None, **group})
+            if args.sweep:
+                for model in [m for m in models if m != "identity"]:
+                    summary = load(f"sweep-{args.sweep_mix}-{args.sweep_protocol}-{model}", model, args.sweep_mix,
+                                   args.sweep_protocol, steps=args.sweep)
+                    sweeps.append(sweep_result(model, summary, args.budget_profile, args.budget_ms))
     ratios = compare(runs)
     result = {"shape": shape, "weights": str(args.weights), "users": args.users, "time": args.time,
-              "prefill_tokens": args.prefill_tokens, "host_cpus": os.cpu_count(), "runs": runs, "ratios": ratios}
+              "load": args.load, "prefill_tokens": args.prefill_tokens, "host_cpus": os.cpu_count(),
+              "calibrations": calibrations, "runs": runs, "ratios": ratios, "sweeps": sweeps}
     (args.out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(runs, args.out / "compare.png", f"{shape}; {args.users} users, {args.time} each")
-    print(table(runs, ratios))
-    print(f"compare: {args.out}/compare.json, compare.png")
-    return 1 if any(r["failures"] for r in runs) else 0
+    load_text = {"closed": "closed loop"}.get(args.load, f"offered load {args.load}")
+    if runs:
+        plot(runs, args.out / "compare.png", f"{shape}; {args.users} users, {args.time} each, {load_text}")
+        print(table(runs, ratios))
+    if sweeps:
+        plot_sweeps(sweeps, args.out / "sweep.png", f"{shape}; {args.sweep_mix} over {args.sweep_protocol}, "
+                    f"users {args.sweep}, {args.step_time:g} s each; budget {args.budget_profile} P99 "
+                    f"<= {args.budget_ms:g} ms", args.budget_ms)
+        print(sweep_table(sweeps, args.budget_profile, args.budget_ms))
+    print(f"compare: {args.out}/compare.json" + (", compare.png" if runs else "") + (", sweep.png" if sweeps else ""))
+    failed = sum(r["failures"] for r in runs) + sum(level["failures"] for sw in sweeps for level in sw["levels"])
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

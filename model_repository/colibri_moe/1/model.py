@@ -49,8 +49,13 @@ class DeviceBatch:
         import torch
         self.torch = torch
         self.device = torch.device("cuda", device_id)
+        self.arrivals = set()  # where inputs came from, logged the first time each is seen
 
     def join(self, tensors):
+        where = "GPU memory (zero-copy)" if not tensors[0].is_cpu() else "host memory (copied to the GPU)"
+        if where not in self.arrivals:
+            self.arrivals.add(where)
+            pb_utils.Logger.log_info(f"colibri_moe: first request whose inputs arrived in {where}")
         parts = [self.torch.utils.dlpack.from_dlpack(t.to_dlpack()).to(self.device) for t in tensors]
         return parts[0] if len(parts) == 1 else self.torch.cat(parts)
 
