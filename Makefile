@@ -4,6 +4,7 @@
 #   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
 #   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
+#   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
 #          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
 SHELL := /bin/bash
@@ -24,8 +25,11 @@ CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
 CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
 comma := ,
+# sm_90a (wgmma) exists from CUDA 12: an 11.8 toolkit builds plain sm_90, and the library falls back
+# to its sm_80/sm_90 kernels on any device without the sm_90a image.
+NVCC_MAJOR  := $(if $(NVCC),$(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p'))
 NVCC_GENCODE := $(foreach a,$(CUDA_ARCH),-gencode=arch=compute_$(a),code=sm_$(a)) \
-                $(if $(filter 90,$(CUDA_ARCH)),-gencode=arch=compute_90a$(comma)code=sm_90a)
+                $(if $(and $(filter 90,$(CUDA_ARCH)),$(filter-out 9 10 11,$(NVCC_MAJOR))),-gencode=arch=compute_90a$(comma)code=sm_90a)
 NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr $(NVCC_GENCODE)
 
 C_SRCS      := csrc/src/colibri.c $(wildcard csrc/src/cpu/*.c)
@@ -50,7 +54,7 @@ LIB_SO      := $(BUILD)/libcolibri.so
 LIB_A       := $(BUILD)/libcolibri.a
 C_TESTS     := $(patsubst csrc/tests/%.c,$(BUILD)/tests/%,$(wildcard csrc/tests/*.c))
 
-.PHONY: all lib ctests python venv test test-c test-py serve bench clean help test-asan test-valgrind fuzz
+.PHONY: all lib ctests python venv test test-c test-py serve bench clean help test-asan test-valgrind fuzz check-cuda11
 all: lib ctests python
 	@echo "colibri: CPU backend built; CUDA backend $(CUDA_STATE)"
 	@echo "colibri: $(LIB_SO) $(LIB_A) $(notdir $(C_TESTS)) $(if $(wildcard $(PY)),python extension,python extension not built (run make venv))"
@@ -158,3 +162,8 @@ clean:
 
 help:
 	@sed -n '2,8p' Makefile
+
+# The CUDA 11.8 promise (cupy-cuda11x and tritonserver 22.12 stacks): compile the CUDA sources with
+# CUDA 11.8's nvcc, which csrc/dev/cuda/check_cuda11.sh fetches into build-cuda11/ (CI runs it).
+check-cuda11:
+	csrc/dev/cuda/check_cuda11.sh build-cuda11
