@@ -276,6 +276,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w)));
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     b->wgmma = wgmma_available(b->device);
     if (b->wgmma) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, true>()));
@@ -323,7 +324,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     a.num_tiles = b->num_tiles;
     if (tile_m == GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
-        if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, stream);
+        if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, b->sm_count, stream);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, stream);
     }
     return cudaErrorInvalidValue;

@@ -78,47 +78,68 @@ template <class T> __device__ __forceinline__ void wg_mma(float (&d)[128], uint6
 }
 #endif
 
+/* Work item `it` of a projection with `tiles` tiles and `nblocks` column blocks: items run in groups of
+ * WG_GROUP_N column blocks, column block fastest inside a group, so that the ~one item per SM in flight
+ * at a time cover a few tiles x WG_GROUP_N column blocks: an expert's weight block is read from HBM
+ * once for all its tiles and a tile's token rows once for WG_GROUP_N column blocks (tile-fastest order
+ * re-read every token row for every column block: 64 MB per block for Mixtral's up GEMM at T=4096,
+ * more than L2 holds). */
+#define WG_GROUP_N 16
+__device__ __forceinline__ void wg_item(int it, int tiles, int nblocks, int &tile, int &nb) {
+    const int group = it / (tiles * WG_GROUP_N), r = it - group * tiles * WG_GROUP_N;
+    const int width = min(WG_GROUP_N, nblocks - group * WG_GROUP_N);
+    tile = r / width;
+    nb = group * WG_GROUP_N + r % width;
+}
+
+/* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
+ * so the next item's first stages load while this one's last products and epilogue run. */
 template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per block */
+    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int A_PER_T = WG_BM * 8 / WG_THREADS, B_PER_T = WG_BN * 8 / WG_THREADS;
     constexpr int ROW_STEP = WG_THREADS / 8; /* rows between one thread's copies */
     pdl_begin();
-    if ((int)blockIdx.x >= *a.num_tiles) return;
-    const ExpertTile tile = a.tiles[blockIdx.x];
-    const int n0 = blockIdx.y * COLS;
+    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS, items = tiles * nblocks;
+    const int ktiles = (a.k + WG_BK - 1) / WG_BK;
     const int tid = threadIdx.x, wg = tid >> 7;
 
     extern __shared__ char smem[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
 
-    /* thread tid copies 16-byte chunk c of rows r0 + i * ROW_STEP of A and of B; all those rows share
-     * r & 7, so one swizzled offset serves them all */
+    /* The loader runs WG_STAGES - 2 stages ahead of the products, possibly in the next item. Thread tid
+     * copies 16-byte chunk c of rows r0 + i * ROW_STEP of A and of B; all those rows share r & 7, so
+     * one swizzled offset serves them all. */
     const int c = tid & 7, r0 = tid >> 3;
     const uint32_t my_off = swz<64>(r0, c);
     const T *a_src[A_PER_T];
-    bool a_ok[A_PER_T];
-#pragma unroll
-    for (int i = 0; i < A_PER_T; i++) {
-        const int p = tile.begin + r0 + i * ROW_STEP;
-        a_ok[i] = p < tile.end;
-        const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
-        a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + c * 8;
-    }
     const T *b_src[B_PER_T];
-    bool b_ok[B_PER_T];
-    const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
+    bool a_ok[A_PER_T], b_ok[B_PER_T];
+    int ld_item = blockIdx.x, ld_kt = 0;
+    auto loader_item = [&]() {
+        int ti, nb;
+        wg_item(ld_item, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
 #pragma unroll
-    for (int i = 0; i < B_PER_T; i++) {
-        const int r = r0 + i * ROW_STEP, m = GLU ? r / COLS : 0, n = n0 + (GLU ? r % COLS : r);
-        b_ok[i] = n < a.n;
-        b_src[i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k + c * 8;
-    }
-
-    const int ktiles = (a.k + WG_BK - 1) / WG_BK;
-    auto load_stage = [&](int kt) {
-        const uint32_t st = sbase + (uint32_t)(kt % WG_STAGES) * WG_STAGE_BYTES + my_off;
-        const int k0 = kt * WG_BK;
+        for (int i = 0; i < A_PER_T; i++) {
+            const int p = tile.begin + r0 + i * ROW_STEP;
+            a_ok[i] = p < tile.end;
+            const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
+            a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + c * 8;
+        }
+        const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
+#pragma unroll
+        for (int i = 0; i < B_PER_T; i++) {
+            const int r = r0 + i * ROW_STEP, m = GLU ? r / COLS : 0, n = nb * COLS + (GLU ? r % COLS : r);
+            b_ok[i] = n < a.n;
+            b_src[i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k + c * 8;
+        }
+    };
+    /* copies the loader's next stage into ring slot `slot` and moves the loader on */
+    auto load_next = [&](int slot) {
+        if (ld_item >= items) return;
+        const uint32_t st = sbase + (uint32_t)slot * WG_STAGE_BYTES + my_off;
+        const int k0 = ld_kt * WG_BK;
         const bool k_ok = k0 + c * 8 < a.k;
 #pragma unroll
         for (int i = 0; i < A_PER_T; i++) {
@@ -131,57 +152,71 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
             cp_async16(st + WG_A_BYTES + i * ROW_STEP * 128, ok ? (const void *)(b_src[i] + k0) : (const void *)a.w,
                        ok);
         }
+        if (++ld_kt == ktiles) {
+            ld_kt = 0;
+            ld_item += gridDim.x;
+            if (ld_item < items) loader_item();
+        }
     };
 
-    float acc[128];
-#pragma unroll
-    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-
-    /* WG_STAGES - 2 stages ahead: the slot of stage kt - 1 may still be read by products in flight */
+    if (ld_item < items) loader_item();
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 2; s++) {
-        if (s < ktiles) load_stage(s);
+        load_next(s);
         cp_async_commit();
     }
-    for (int kt = 0; kt < ktiles; kt++) {
-        cp_async_wait<WG_STAGES - 3>();
-        /* cp.async wrote through the generic proxy; wgmma reads through the async proxy */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if (kt + WG_STAGES - 2 < ktiles) load_stage(kt + WG_STAGES - 2);
-        cp_async_commit();
-        const uint32_t st = sbase + (uint32_t)(kt % WG_STAGES) * WG_STAGE_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-        for (int ks = 0; ks < WG_BK / 16; ks++)
-            wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    cp_async_wait<0>();
 
-    /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4 (+8)
-     * and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (and acc[4j + {2,3}] for row + 8); SWIGLU's
-     * up column j of the gate's column j is 128 columns, 64 registers, further on */
     T *out = reinterpret_cast<T *>(a.out);
     const int lane = tid & 31, wrow = wg * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+    float acc[128];
+    int stage = 0; /* ring position of the products' next stage */
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
 #pragma unroll
-    for (int j = 0; j < COLS / 8; j++) {
-        const int col = n0 + j * 8 + (lane & 3) * 2;
-        if (col >= a.n) continue;
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        for (int kt = 0; kt < ktiles; kt++) {
+            cp_async_wait<WG_STAGES - 3>();
+            /* cp.async wrote through the generic proxy; wgmma reads through the async proxy */
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            /* also: every warpgroup is past its wait for the products of two stages ago */
+            __syncthreads();
+            const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int p = tile.begin + wrow + h * 8;
-            if (p >= tile.end) continue;
-            float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-            if (GLU) {
-                v0 = silu_f32(v0) * acc[64 + 4 * j + 2 * h];
-                v1 = silu_f32(v1) * acc[64 + 4 * j + 2 * h + 1];
+            for (int ks = 0; ks < WG_BK / 16; ks++)
+                wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            /* refill the slot of two stages ago while these products run */
+            load_next((stage + WG_STAGES - 2) % WG_STAGES);
+            cp_async_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            stage = (stage + 1) % WG_STAGES;
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+
+        /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4
+         * (+8) and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8); SWIGLU's
+         * up column for gate column j is 128 columns, 64 registers, further on */
+        int ti, nb;
+        wg_item(it, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+        for (int j = 0; j < COLS / 8; j++) {
+            const int col = nb * COLS + j * 8 + (lane & 3) * 2;
+            if (col >= a.n) continue;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int p = tile.begin + wrow + h * 8;
+                if (p >= tile.end) continue;
+                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if (GLU) {
+                    v0 = silu_f32(v0) * acc[64 + 4 * j + 2 * h];
+                    v1 = silu_f32(v1) * acc[64 + 4 * j + 2 * h + 1];
+                }
+                *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
             }
-            *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
         }
     }
+    cp_async_wait<0>();
 #endif
 }
 
@@ -211,8 +246,11 @@ template <class T, bool GLU> static cudaError_t wgmma_setup_one() {
     return cudaFuncSetAttribute(wgmma_kernel<T, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
 }
 
-template <class T, bool GLU> static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, cudaStream_t stream) {
+/* One block per SM (at most one per item the tile table can hold). */
+template <class T, bool GLU>
+static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, cudaStream_t stream) {
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + COLS - 1) / COLS));
+    const int64_t most = slots * ((a.n + COLS - 1) / COLS);
+    const dim3 grid((unsigned)(most < sms ? most : sms));
     return colibri_launch(wgmma_kernel<T, GLU>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
