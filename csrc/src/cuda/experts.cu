@@ -10,7 +10,8 @@
  *    memory-bound tiles where three stages of it still fit twice per SM, else 32 (see mma_bk). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
- *    per expert so that a tile's weights are read once per expert at moderate T.
+ *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
+ *    run on wgmma (wgmma.cuh) where the device runs the sm_90a image.
  * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order.
  */
 #include <type_traits>

@@ -15,7 +15,9 @@
  * each operand starts on 1024 bytes. Warpgroup w multiplies token rows [64w, 64w + 64) by all 256
  * weight rows: one m64n256k16 per 16 k, its 128 fp32 accumulators per thread in registers. A stage's
  * products run while the next stages load; a slot is refilled only after both warpgroups waited for
- * the products that read it (wgmma.wait_group 1 leaves the newest group running).
+ * the products that read it (wgmma.wait_group 1 leaves the newest group running). The grid is one
+ * block per SM, each walking (tile, column block) items with the ring running on across them
+ * (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4.
  */
 
 #define WG_BM 128
