@@ -11,7 +11,8 @@
  * poisoned with NaN first and any non-finite output fails. Also: forward without ids is bitwise the
  * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
  * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
- * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles.
+ * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
+ * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages.
  * Exit status 0 only if every check passed.
  */
 #include <cuda_bf16.h>
@@ -440,8 +441,9 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
              dtype_name(adt), T);
     for (int rep = 0; rep < 3; rep++) {
         for (size_t i = 0; i < x.size(); i++) x[i] = put(hin.data(), adt, i, nd(rng));
-        /* st does not wait for the legacy stream: poison on st itself */
-        CUDA_OK(cudaMemcpy(in, hin.data(), ibytes, cudaMemcpyHostToDevice));
+        /* st does not wait for the legacy stream, and a copy from pageable memory may return before its
+         * DMA lands: copy and poison on st itself */
+        CUDA_OK(cudaMemcpyAsync(in, hin.data(), ibytes, cudaMemcpyHostToDevice, st));
         CUDA_OK(cudaMemsetAsync(out, 0xff, obytes, st));
         CUDA_OK(cudaGraphLaunch(exec, st));
         CUDA_OK(cudaStreamSynchronize(st));
@@ -529,6 +531,16 @@ int main(int argc, char **argv) {
                     if (quick && (T == 1 || T > 64 || r % 2)) continue;
                     run_case(s, COLIBRI_EXPERT_SWIGLU, w, w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w,
                              routings[r][0], routings[r][1], T, 0, rng);
+                }
+    /* 128-row tiles whose K cycles the 4-stage ring of the wgmma kernel (8 and 5 k tiles) and whose N
+     * ends inside a block (320 = 2.5 x 128 for the gate/up, 256 + 64 for linear) */
+    const Shape deep = {4, 2, 512, 320};
+    for (int r = 0; r < 2; r++)
+        for (int kind = 0; kind < 2; kind++)
+            for (colibri_dtype_t w : {COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16})
+                for (int T : {513, 2048}) {
+                    if (quick && (r || T > 513)) continue;
+                    run_case(deep, (colibri_expert_kind_t)kind, w, w, routings[r][0], routings[r][1], T, 0, rng);
                 }
     /* chunking: workspace smaller than T */
     run_case(aligned, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1,

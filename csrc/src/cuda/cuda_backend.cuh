@@ -56,6 +56,8 @@ struct CudaBackend {
     void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
+    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
+    int sm_count;               /* multiprocessors: the persistent wgmma grid */
     size_t permute_smem;
 };
 

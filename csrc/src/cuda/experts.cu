@@ -10,7 +10,8 @@
  *    memory-bound tiles where three stages of it still fit twice per SM, else 32 (see mma_bk). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
- *    per expert so that a tile's weights are read once per expert at moderate T.
+ *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
+ *    run on wgmma (wgmma.cuh) where the device runs the sm_90a image.
  * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order.
  */
 #include <type_traits>
@@ -222,6 +223,8 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
     }
 }
 
+#include "wgmma.cuh"
+
 template <class T, int BM, bool GLU, int BK> static cudaError_t mma_setup_one() {
     return cudaFuncSetAttribute(mma_kernel<T, BM, GLU, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 (int)mma_smem_bytes<BM, GLU, BK>());
@@ -274,6 +277,14 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w)));
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
+    b->wgmma = wgmma_available(b->device);
+    if (b->wgmma) {
+        COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, true>()));
+        COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, false>()));
+        COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, true>()));
+        COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, false>()));
+    }
     return COLIBRI_OK;
 }
 
@@ -313,8 +324,10 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     a.tiles = b->tiles;
     a.num_tiles = b->num_tiles;
     if (tile_m == GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
-    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value)
+    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
+        if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, b->sm_count, stream);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, stream);
+    }
     return cudaErrorInvalidValue;
 }
 

@@ -1,0 +1,263 @@
+/*
+ * wgmma.cuh — the 128-token expert tiles on Hopper: warpgroup MMA (wgmma, sm_90a) from shared memory.
+ * Included by experts.cu after its cp.async helpers; used in place of mma_kernel for tiles of 128
+ * rows when colibri_cuda_experts_setup found the sm_90a image loaded (wgmma_available).
+ *
+ * mma.sync tops out near 290 TFLOP/s on an H200 (csrc/dev/cuda/NOTES.md): its operands go through
+ * registers (ldmatrix) and each warp issues a 16x8x16 product at a time. wgmma lets one warpgroup (4
+ * warps) multiply a 64 x 256 x 16 block straight out of shared memory, asynchronously.
+ *
+ * Block: 256 threads = two warpgroups, a tile of 128 token rows (M) by 256 weight rows (N: SWIGLU
+ * 128 gate rows then the 128 up rows of the same output columns; otherwise 256 rows of one matrix),
+ * K in steps of 64 elements. Every thread gathers with cp.async (token rows through perm, as
+ * mma_kernel does) into a 4-stage ring of 48 KB stages; shared-memory rows of 128 bytes with chunk c
+ * of row r at c ^ (r & 7) (swz<64>) are exactly the 128-byte swizzle of wgmma's K-major operands when
+ * each operand starts on 1024 bytes. Warpgroup w multiplies token rows [64w, 64w + 64) by all 256
+ * weight rows: one m64n256k16 per 16 k, its 128 fp32 accumulators per thread in registers. A stage's
+ * products run while the next stages load; a slot is refilled only after both warpgroups waited for
+ * the products that read it (wgmma.wait_group 1 leaves the newest group running). The grid is one
+ * block per SM, each walking (tile, column block) items with the ring running on across them
+ * (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4.
+ */
+
+#define WG_BM 128
+#define WG_BN 256 /* weight rows per block */
+#define WG_BK 64
+#define WG_STAGES 4
+#define WG_THREADS 256
+#define WG_A_BYTES (WG_BM * WG_BK * 2)
+#define WG_B_BYTES (WG_BN * WG_BK * 2)
+#define WG_STAGE_BYTES (WG_A_BYTES + WG_B_BYTES)
+/* + 1024: the dynamic shared memory is aligned up to the swizzle's 1024-byte period */
+#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024)
+
+/* Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address >> 4,
+ * leading offset 1 (unused for this layout), 1024 bytes between groups of 8 rows, swizzle mode 1. */
+__device__ __forceinline__ uint64_t wg_desc(uint32_t saddr) {
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+#define WG_D_REGS                                                                                          \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+    "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "  \
+    "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+    "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "  \
+    "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "     \
+    "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "      \
+    "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
+#define WG_D_OPERANDS(d)                                                                                   \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),         \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),            \
+        "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),          \
+        "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),          \
+        "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),          \
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]),          \
+        "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),          \
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),          \
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),          \
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]),          \
+        "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),          \
+        "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]),          \
+        "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),          \
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]),          \
+        "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]),    \
+        "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]),   \
+        "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),   \
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]),   \
+        "+f"(d[127])
+/* d (+)= A B^T for a 64 x 16 A and a 256 x 16 B, both K-major in shared memory. */
+#define WG_MMA_M64N256K16(TYPE, d, da, db)                                                                  \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " WG_D_REGS                 \
+                 ", %128, %129, 1, 1, 1, 0, 0;"                                                             \
+                 : WG_D_OPERANDS(d)                                                                         \
+                 : "l"(da), "l"(db))
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <class T> __device__ __forceinline__ void wg_mma(float (&d)[128], uint64_t da, uint64_t db) {
+    if constexpr (std::is_same<T, __half>::value) WG_MMA_M64N256K16("f16", d, da, db);
+    else WG_MMA_M64N256K16("bf16", d, da, db);
+}
+#endif
+
+/* silu with the hardware exp2 and a fast divide: the epilogue runs while the tensor cores idle, and
+ * silu_f32's accurate expf and IEEE division cost about 30 instructions per element there (128 per
+ * thread per item); their errors (a few ulp of fp32) vanish in the 16-bit output. */
+__device__ __forceinline__ float wg_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+
+/* Work item `it` of a projection with `tiles` tiles and `nblocks` column blocks: items run in groups of
+ * WG_GROUP_N column blocks, column block fastest inside a group, so that the ~one item per SM in flight
+ * at a time cover a few tiles x WG_GROUP_N column blocks: an expert's weight block is read from HBM
+ * once for all its tiles and a tile's token rows once for WG_GROUP_N column blocks (tile-fastest order
+ * re-read every token row for every column block: 64 MB per block for Mixtral's up GEMM at T=4096,
+ * more than L2 holds). */
+#define WG_GROUP_N 16
+__device__ __forceinline__ void wg_item(int it, int tiles, int nblocks, int &tile, int &nb) {
+    const int group = it / (tiles * WG_GROUP_N), r = it - group * tiles * WG_GROUP_N;
+    const int width = min(WG_GROUP_N, nblocks - group * WG_GROUP_N);
+    tile = r / width;
+    nb = group * WG_GROUP_N + r % width;
+}
+
+/* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
+ * so the next item's first stages load while this one's last products and epilogue run. */
+template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
+    constexpr int A_PER_T = WG_BM * 8 / WG_THREADS, B_PER_T = WG_BN * 8 / WG_THREADS;
+    constexpr int ROW_STEP = WG_THREADS / 8; /* rows between one thread's copies */
+    pdl_begin();
+    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS, items = tiles * nblocks;
+    const int ktiles = (a.k + WG_BK - 1) / WG_BK;
+    const int tid = threadIdx.x, wg = tid >> 7;
+
+    extern __shared__ char smem[];
+    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
+
+    /* The loader runs WG_STAGES - 2 stages ahead of the products, possibly in the next item. Thread tid
+     * copies 16-byte chunk c of rows r0 + i * ROW_STEP of A and of B; all those rows share r & 7, so
+     * one swizzled offset serves them all. */
+    const int c = tid & 7, r0 = tid >> 3;
+    const uint32_t my_off = swz<64>(r0, c);
+    const T *a_src[A_PER_T];
+    const T *b_src[B_PER_T];
+    bool a_ok[A_PER_T], b_ok[B_PER_T];
+    int ld_item = blockIdx.x, ld_kt = 0;
+    auto loader_item = [&]() {
+        int ti, nb;
+        wg_item(ld_item, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+        for (int i = 0; i < A_PER_T; i++) {
+            const int p = tile.begin + r0 + i * ROW_STEP;
+            a_ok[i] = p < tile.end;
+            const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
+            a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + c * 8;
+        }
+        const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
+#pragma unroll
+        for (int i = 0; i < B_PER_T; i++) {
+            const int r = r0 + i * ROW_STEP, m = GLU ? r / COLS : 0, n = nb * COLS + (GLU ? r % COLS : r);
+            b_ok[i] = n < a.n;
+            b_src[i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k + c * 8;
+        }
+    };
+    /* copies the loader's next stage into ring slot `slot` and moves the loader on */
+    auto load_next = [&](int slot) {
+        if (ld_item >= items) return;
+        const uint32_t st = sbase + (uint32_t)slot * WG_STAGE_BYTES + my_off;
+        const int k0 = ld_kt * WG_BK;
+        const bool k_ok = k0 + c * 8 < a.k;
+#pragma unroll
+        for (int i = 0; i < A_PER_T; i++) {
+            const bool ok = a_ok[i] && k_ok;
+            cp_async16(st + i * ROW_STEP * 128, ok ? (const void *)(a_src[i] + k0) : a.x, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < B_PER_T; i++) {
+            const bool ok = b_ok[i] && k_ok;
+            cp_async16(st + WG_A_BYTES + i * ROW_STEP * 128, ok ? (const void *)(b_src[i] + k0) : (const void *)a.w,
+                       ok);
+        }
+        if (++ld_kt == ktiles) {
+            ld_kt = 0;
+            ld_item += gridDim.x;
+            if (ld_item < items) loader_item();
+        }
+    };
+
+    if (ld_item < items) loader_item();
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 2; s++) {
+        load_next(s);
+        cp_async_commit();
+    }
+
+    T *out = reinterpret_cast<T *>(a.out);
+    const int lane = tid & 31, wrow = wg * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+    float acc[128];
+    int stage = 0; /* ring position of the products' next stage */
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        for (int kt = 0; kt < ktiles; kt++) {
+            cp_async_wait<WG_STAGES - 3>();
+            /* cp.async wrote through the generic proxy; wgmma reads through the async proxy */
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            /* also: every warpgroup is past its wait for the products of two stages ago */
+            __syncthreads();
+            const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int ks = 0; ks < WG_BK / 16; ks++)
+                wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            /* refill the slot of two stages ago while these products run */
+            load_next((stage + WG_STAGES - 2) % WG_STAGES);
+            cp_async_commit();
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            stage = (stage + 1) % WG_STAGES;
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+
+        /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4
+         * (+8) and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8); SWIGLU's
+         * up column for gate column j is 128 columns, 64 registers, further on */
+        int ti, nb;
+        wg_item(it, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+        for (int j = 0; j < COLS / 8; j++) {
+            const int col = nb * COLS + j * 8 + (lane & 3) * 2;
+            if (col >= a.n) continue;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int p = tile.begin + wrow + h * 8;
+                if (p >= tile.end) continue;
+                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+                if (GLU) {
+                    v0 = wg_silu(v0) * acc[64 + 4 * j + 2 * h];
+                    v1 = wg_silu(v1) * acc[64 + 4 * j + 2 * h + 1];
+                }
+                *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
+            }
+        }
+    }
+    cp_async_wait<0>();
+#endif
+}
+
+/* Writes 1 where the sm_90a image (and so wgmma_kernel's body) is the one this device runs. */
+__global__ void wgmma_probe_kernel(int *flag) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *flag = 1;
+#else
+    *flag = 0;
+#endif
+}
+
+static bool wgmma_available(int device) {
+    int major = 0, optin = 0, flag = 0, *d_flag = NULL;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9 ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        optin < WG_SMEM_BYTES || cudaMalloc(&d_flag, sizeof(int)) != cudaSuccess)
+        return false;
+    wgmma_probe_kernel<<<1, 1>>>(d_flag);
+    (void)cudaGetLastError(); /* a probe that could not launch leaves flag unread: no wgmma */
+    const bool ok = cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && flag == 1;
+    cudaFree(d_flag);
+    return ok;
+}
+
+template <class T, bool GLU> static cudaError_t wgmma_setup_one() {
+    return cudaFuncSetAttribute(wgmma_kernel<T, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+}
+
+/* One block per SM (at most one per item the tile table can hold). */
+template <class T, bool GLU>
+static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, cudaStream_t stream) {
+    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
+    const int64_t most = slots * ((a.n + COLS - 1) / COLS);
+    const dim3 grid((unsigned)(most < sms ? most : sms));
+    return colibri_launch(wgmma_kernel<T, GLU>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
+}
