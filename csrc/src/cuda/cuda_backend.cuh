@@ -58,7 +58,7 @@ struct CudaBackend {
     void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
-    int num_sms;
+    int sm_count;               /* multiprocessors */
     int mma16_blocks_per_sm[2][2]; /* [GLU][narrow]: occupancy of the 16-row tensor-core kernels */
     size_t permute_smem;
 };

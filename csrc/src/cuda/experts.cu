@@ -317,7 +317,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w)));
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w)));
-    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->num_sms, cudaDevAttrMultiProcessorCount, b->device));
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     b->mma16_blocks_per_sm[0][0] = mma16_blocks_per_sm<false, MMA_BN>(w);
     b->mma16_blocks_per_sm[0][1] = mma16_blocks_per_sm<false, MMA_NARROW_BN>(w);
     b->mma16_blocks_per_sm[1][0] = mma16_blocks_per_sm<true, MMA_BN>(w);
@@ -335,7 +335,7 @@ static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int6
     for (int narrow = 0; narrow < 2; narrow++) {
         const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow];
         if (per_sm <= 0) return false;
-        const double waves = touched * ((n + bn - 1) / bn) / ((double)b->num_sms * per_sm);
+        const double waves = touched * ((n + bn - 1) / bn) / ((double)b->sm_count * per_sm);
         fill[narrow] = waves / ceil(waves);
     }
     return fill[1] > fill[0] + 0.05;
