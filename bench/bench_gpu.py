@@ -6,7 +6,7 @@ Every time is the median of many CUDA-event timings of one call, with L2 flushed
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30]
-                               [--compare old=build-old/libcolibri.so,...]
+                               [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16]
 
 Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
 times other builds of the library on the same inputs in the same run (old code against new), each
@@ -127,7 +127,7 @@ def grouped(x, router, w1t, w3t, w2t, k, renormalize):
     return out
 
 
-def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows):
+def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows, tokens=TOKENS):
     torch.manual_seed(0)
     dt = torch.bfloat16
     w1 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
@@ -150,7 +150,7 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
     w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
     expert_bytes = per_expert * 2
     try:
-        for T in TOKENS:
+        for T in tokens:
             x = torch.randn(T, H, device="cuda", dtype=dt)
             out = torch.empty_like(x)
 
@@ -215,6 +215,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,4,16")
     args = ap.parse_args()
     lib = load_lib(args.lib)
     others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
@@ -227,7 +228,8 @@ def main():
     wanted = args.shapes.split(",")
     for shape in SHAPES:
         if shape[0] in wanted:
-            bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows)
+            bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows,
+                        tokens=[int(t) for t in args.tokens.split(",") if t])
             torch.cuda.empty_cache()
     with open(args.json, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate,

@@ -2,15 +2,16 @@
  * combine.cu — the weighted top-k sum: out[t] = sum_j topk_weights[t, j] * y[inv[t*k + j]], j in order,
  * accumulated in fp32 and written once in the activation dtype. A fixed order and no float atomics
  * make the output bitwise identical from run to run. Assignments whose id was out of range
- * (inv = -1) contribute nothing.
+ * (inv = -1) contribute nothing. When no permute ran (direct mode, gemv.cuh), inv is NULL, y row
+ * t*k + j belongs to assignment t*k + j, and the ids say which are out of range.
  */
 #include "cuda_backend.cuh"
 
 #define COMBINE_THREADS 256
 
 template <class TY, class TA, int V>
-__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const TY *y, const int32_t *inv, const float *wts,
-                                                                  int k, int O, TA *out) {
+__global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const TY *y, const int32_t *inv, const int32_t *ids,
+                                                                  int E, const float *wts, int k, int O, TA *out) {
     pdl_begin();
     const int t = blockIdx.x;
     const int col = (blockIdx.y * COMBINE_THREADS + threadIdx.x) * V;
@@ -19,7 +20,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const TY *y, c
 #pragma unroll
     for (int i = 0; i < V; i++) acc[i] = 0.0f;
     for (int j = 0; j < k; j++) {
-        const int p = inv[(size_t)t * k + j];
+        const int i = t * k + j;
+        const int p = inv ? inv[i] : (unsigned)ids[i] < (unsigned)E ? i : -1;
         if (p < 0) continue;
         const float w = wts[(size_t)t * k + j];
         float v[V];
@@ -31,27 +33,28 @@ __global__ void __launch_bounds__(COMBINE_THREADS) combine_kernel(const TY *y, c
 }
 
 template <class TY, class TA>
-static cudaError_t launch_combine(const TY *y, const int32_t *inv, const float *wts, int64_t T, int k, int O,
-                                  TA *out, cudaStream_t stream) {
+static cudaError_t launch_combine(const TY *y, const int32_t *inv, const int32_t *ids, int E, const float *wts,
+                                  int64_t T, int k, int O, TA *out, cudaStream_t stream) {
     if (O % 8 == 0 && colibri_aligned16(out)) {
         const dim3 grid((unsigned)T, (unsigned)((O / 8 + COMBINE_THREADS - 1) / COMBINE_THREADS));
-        return colibri_launch(combine_kernel<TY, TA, 8>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, wts, k, O, out);
+        return colibri_launch(combine_kernel<TY, TA, 8>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, ids, E, wts, k, O, out);
     } else {
         const dim3 grid((unsigned)T, (unsigned)((O + COMBINE_THREADS - 1) / COMBINE_THREADS));
-        return colibri_launch(combine_kernel<TY, TA, 1>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, wts, k, O, out);
+        return colibri_launch(combine_kernel<TY, TA, 1>, grid, dim3(COMBINE_THREADS), 0, stream, y, inv, ids, E, wts, k, O, out);
     }
 }
 
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             colibri_dtype_t act_dtype, const float *topk_weights, void *output,
-                                             cudaStream_t stream) {
+                                             colibri_dtype_t act_dtype, const float *topk_weights,
+                                             const int32_t *direct_ids, void *output, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     cudaError_t err = cudaSuccess;
     colibri_dispatch_dtype(ctx->cfg.weight_dtype, [&](auto ty) {
         colibri_dispatch_dtype(act_dtype, [&](auto ta) {
             using TY = typename decltype(ty)::type;
             using TA = typename decltype(ta)::type;
-            err = launch_combine<TY, TA>((const TY *)b->y, b->inv, topk_weights, num_tokens, ctx->cfg.top_k,
+            err = launch_combine<TY, TA>((const TY *)b->y, direct_ids ? NULL : b->inv, direct_ids,
+                                         ctx->cfg.num_experts, topk_weights, num_tokens, ctx->cfg.top_k,
                                          ctx->out_features, (TA *)output, stream);
         });
     });

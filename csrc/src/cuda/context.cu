@@ -57,6 +57,7 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->num_tiles = c.take<int32_t>(1);
     b->totals = c.take<unsigned long long>(E);
     b->bad_id = c.take<int32_t>(1);
+    b->route_done = c.take<unsigned>(1);
     b->xc = c.take<char>(tokens * H * wsize);
     b->inter = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU ? c.take<char>(positions * F * wsize) : NULL;
     b->y = c.take<char>(positions * (size_t)ctx->out_features * wsize);
@@ -107,6 +108,7 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->router_bias, ctx->router_bias, E * sizeof(float), cudaMemcpyHostToDevice));
     COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, E * sizeof(unsigned long long)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->route_done, 0, sizeof(unsigned)));
     colibri_status_t st = colibri_cuda_permute_setup(b, cfg->num_experts);
     if (st != COLIBRI_OK) return st;
     st = colibri_cuda_experts_setup(b);
@@ -152,16 +154,22 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     COLIBRI_CUDA_CHECK(guard.err);
     cudaStream_t s = (cudaStream_t)stream;
     colibri_status_t st;
+    const int32_t tile_m = colibri_cuda_experts_tile_m(ctx, num_tokens, act_dtype, input);
+    const bool direct = colibri_cuda_experts_direct(ctx, num_tokens, tile_m);
+    bool permuted = false;
     if (!topk_ids) {
-        st = colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, b->ids, b->wts, s);
+        st = colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, b->ids, b->wts, direct ? 0 : tile_m,
+                                       &permuted, s);
         if (st != COLIBRI_OK) return st;
         topk_ids = b->ids;
         topk_weights = b->wts;
     }
-    const int32_t tile_m = colibri_cuda_experts_tile_m(ctx, num_tokens, act_dtype, input);
-    if ((st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, s)) != COLIBRI_OK) return st;
-    if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, s)) != COLIBRI_OK) return st;
-    return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_weights, output, s);
+    const int32_t *direct_ids = direct ? topk_ids : NULL;
+    if (!direct && !permuted && (st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, s)) != COLIBRI_OK)
+        return st;
+    if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, s)) != COLIBRI_OK)
+        return st;
+    return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_weights, direct_ids, output, s);
 }
 
 colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
@@ -169,7 +177,7 @@ colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_toke
     CudaBackend *b = (CudaBackend *)ctx->backend;
     DeviceGuard guard(b->device);
     COLIBRI_CUDA_CHECK(guard.err);
-    return colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, topk_ids, topk_weights,
+    return colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, topk_ids, topk_weights, 0, NULL,
                                      (cudaStream_t)stream);
 }
 

@@ -6,7 +6,8 @@
  * Data flow of one forward chunk of T tokens (all on the caller's stream):
  *   route.cu    logits [T, E] fp32 -> topk ids / weights [T, k]           (unless the caller gave them)
  *   permute.cu  ids -> expert offsets, perm (sorted position -> assignment t*k+j), inv (its inverse),
- *               a tile table of (expert, first position, end position)
+ *               a tile table of (expert, first position, end position); skipped for few assignments
+ *               (decode), where the gemv blocks find their experts in the ids and positions are t*k+j
  *   experts.cu  up projection (SWIGLU: silu(gate x) * up x) -> inter [T*k, F]; down -> y [T*k, H]
  *   combine.cu  out[t] = sum_j w[t, j] * y[inv[t*k+j]] in j order (deterministic, no float atomics)
  */
@@ -50,6 +51,7 @@ struct CudaBackend {
     int32_t *num_tiles;         /* [1] */
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
+    unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     /* Experts compute in the weight dtype ("compute dtype"): tensor cores take 16-bit operands of one type. */
     void *xc;                   /* [Tw, H] input converted to the weight dtype (tensor-core path) */
     void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
@@ -57,7 +59,8 @@ struct CudaBackend {
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
-    int sm_count;               /* multiprocessors: the persistent wgmma grid */
+    int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
+    int mma16_blocks_per_sm[2][2]; /* [GLU][narrow]: occupancy of the 16-row tensor-core kernels */
     size_t permute_smem;
 };
 
@@ -128,6 +131,46 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+/* Exclusive prefix sum over the block of one value per thread; *total gets the sum. Every thread of the
+ * block must call it; warp_sums holds 32 ints of shared memory, free again when it returns. */
+__device__ __forceinline__ int colibri_block_exclusive_scan(int v, int *warp_sums, int *total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += o;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int s = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(0xffffffffu, s, off);
+            if (lane >= off) s += o;
+        }
+        if (lane < nwarps) warp_sums[lane] = s;
+    }
+    __syncthreads();
+    const int excl = (warp ? warp_sums[warp - 1] : 0) + incl - v;
+    *total = warp_sums[nwarps - 1];
+    __syncthreads();
+    return excl;
+}
+
+/* The two halves of pdl_begin, for kernels that order them otherwise (gemv.cuh's direct mode). */
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <class... Params, class... Args>
 static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                                   Args... args) {
@@ -145,9 +188,12 @@ static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 blo
 }
 
 /* route.cu */
+/* permute_tile_m > 0: the forward's tile height; the route kernel may then also run the permutation
+ * (few tokens, built-in routing) and says so in *permuted. 0 (and permuted NULL): routing only. */
 colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                            colibri_dtype_t act_dtype, const void *input, int32_t *topk_ids,
-                                           float *topk_weights, cudaStream_t stream);
+                                           float *topk_weights, int32_t permute_tile_m, bool *permuted,
+                                           cudaStream_t stream);
 /* permute.cu */
 colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts);
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
@@ -158,12 +204,15 @@ colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t sr
 colibri_status_t colibri_cuda_experts_setup(CudaBackend *b);
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input);
+bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m);
+/* direct_ids: the forward's topk ids when colibri_cuda_experts_direct (no permute ran), else NULL */
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
-                                             cudaStream_t stream);
+                                             const int32_t *direct_ids, cudaStream_t stream);
 /* combine.cu */
+/* direct_ids: as for launch_experts (y rows are then assignment indices) */
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             colibri_dtype_t act_dtype, const float *topk_weights, void *output,
-                                             cudaStream_t stream);
+                                             colibri_dtype_t act_dtype, const float *topk_weights,
+                                             const int32_t *direct_ids, void *output, cudaStream_t stream);
 
 #endif /* COLIBRI_CUDA_BACKEND_CUH */

@@ -1,19 +1,24 @@
 /*
  * experts.cu — the expert FFNs over tokens grouped by expert (permute.cu's tile table).
  *
- * Two paths, chosen per forward from the mean number of assignments per expert:
- *  - few tokens per expert (decode) or fp32 weights: gemv.cuh, which streams each touched expert's
- *    weights once, SWIGLU's gate and up rows in the same pass;
- *  - many tokens per expert (prefill), 16-bit weights: a tensor-core GEMM, mma.sync m16n8k16 (sm_80
- *    and sm_90), BM x 128 x BK tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared
- *    memory, ldmatrix fragments. BK is 64 (128 contiguous bytes of each weight row per load) for the
- *    memory-bound tiles where three stages of it still fit twice per SM, else 32 (see mma_bk). Token rows are gathered
+ * Two paths, chosen per forward (colibri_cuda_experts_tile_m):
+ *  - at most 8 assignments (decode of a token or two), fp32 weights, or rows that are not 16-byte
+ *    multiples: gemv.cuh, which streams each touched expert's weights once, SWIGLU's gate and up rows in
+ *    the same pass; with few assignments it finds each block's expert in the ids itself (no permute);
+ *  - otherwise (16-bit weights): a tensor-core GEMM, mma.sync m16n8k16 (sm_80 and sm_90), BM x BN x BK
+ *    tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared memory, ldmatrix fragments.
+ *    BK is 64 (128 contiguous bytes of each weight row per load) for the memory-bound tiles where
+ *    three stages of it still fit twice per SM, else 32 (see mma_bk). BN is 128, or 64 for 16-row
+ *    tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
  *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
  *    run on wgmma (wgmma.cuh) where the device runs the sm_90a image.
- * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order.
+ * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order (the
+ * gemv's direct mode: in assignment order t*k+j).
  */
+#include <math.h>
+
 #include <type_traits>
 
 #include "gemv.cuh"
@@ -22,6 +27,10 @@
 #define MMA_THREADS 256
 /* Shared memory one block may take so that two fit on an H200 SM (228 KB, 1 KB reserved per block). */
 #define MMA_SMEM_TWO_PER_SM (113 * 1024)
+#define MMA_SMEM_THREE_PER_SM (75 * 1024)
+/* The narrow 16-row kernel (BN = 64 columns, 128 threads) runs where its grid fills the last wave of
+ * the GPU clearly better than BN = 128 does (mma_narrow). */
+#define MMA_NARROW_BN 64
 
 /* One smem row holds BK 16-bit elements. Chunk c (16 bytes) of row r lives at chunk c ^ (r & 7) for
  * 128-byte rows and c ^ ((r >> 1) & 3) for 64-byte rows: either way the 8 rows one ldmatrix phase reads
@@ -66,8 +75,8 @@ template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi)
 }
 
 template <int BM> constexpr int mma_warps_m() { return BM >= 32 ? 2 : 1; }
-template <int BM, bool GLU, int BK> constexpr size_t mma_stage_bytes() {
-    return (size_t)(BM + MMA_BN * (GLU ? 2 : 1)) * BK * 2;
+template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_bytes() {
+    return (size_t)(BM + BN * (GLU ? 2 : 1)) * BK * 2;
 }
 /* A BK=32 stage reads only 64 contiguous bytes of each weight row, and the next piece of that row
  * follows a k step later, by which time HBM has long closed the page: the memory-bound tiles (up to 64
@@ -76,31 +85,36 @@ template <int BM, bool GLU, int BK> constexpr size_t mma_stage_bytes() {
  * at T=64 on the H200 (NOTES.md, v3). The GLU tiles of 64 rows keep BK=32 rather than drop to one
  * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
  * measured 2-7% slower there. */
-template <int BM, bool GLU> constexpr int mma_bk() {
-    return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
+template <int BM, bool GLU, int BN = MMA_BN> constexpr int mma_bk() {
+    return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
 }
-template <int BM, bool GLU, int BK> constexpr int mma_stages() {
+/* Narrow tiles (BN < 128, small batches): as many stages (4 or 3) as still let three blocks share an SM. */
+template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr int mma_stages() {
+    if constexpr (BN < MMA_BN) return 4 * mma_stage_bytes<BM, GLU, BK, BN>() <= MMA_SMEM_THREE_PER_SM ? 4 : 3;
     return BK == 32 || 4 * mma_stage_bytes<BM, GLU, BK>() <= MMA_SMEM_TWO_PER_SM ? 4 : 3;
 }
-template <int BM, bool GLU, int BK> constexpr size_t mma_smem_bytes() {
-    return (size_t)mma_stages<BM, GLU, BK>() * mma_stage_bytes<BM, GLU, BK>();
+template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_smem_bytes() {
+    return (size_t)mma_stages<BM, GLU, BK, BN>() * mma_stage_bytes<BM, GLU, BK, BN>();
 }
 
-template <class T, int BM, bool GLU, int BK>
-__global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
-    constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = 8 / WARPS_M;
-    constexpr int WTM = BM / WARPS_M, WTN = MMA_BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
-    constexpr int NMAT = GLU ? 2 : 1, STAGES = mma_stages<BM, GLU, BK>();
+/* BN columns of weights per block, 2 * BN threads: each warp's share (16 or 32 columns) is the same
+ * for every BN. */
+template <class T, int BM, bool GLU, int BK, int BN = MMA_BN>
+__global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
+    constexpr int THREADS = 2 * BN;
+    constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = THREADS / 32 / WARPS_M;
+    constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
+    constexpr int NMAT = GLU ? 2 : 1, STAGES = mma_stages<BM, GLU, BK, BN>();
     constexpr int CPR = BK / 8; /* 16-byte chunks per smem row */
-    constexpr int A_CHUNKS = BM * CPR, B_CHUNKS = MMA_BN * CPR;
-    constexpr int A_PER_T = (A_CHUNKS + MMA_THREADS - 1) / MMA_THREADS, B_PER_T = B_CHUNKS / MMA_THREADS;
-    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = MMA_BN * BK * 2;
+    constexpr int A_CHUNKS = BM * CPR, B_CHUNKS = BN * CPR;
+    constexpr int A_PER_T = (A_CHUNKS + THREADS - 1) / THREADS, B_PER_T = B_CHUNKS / THREADS;
+    constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + NMAT * B_BYTES;
 
     pdl_begin();
     if ((int)blockIdx.x >= *a.num_tiles) return;
     const ExpertTile tile = a.tiles[blockIdx.x];
-    const int n0 = blockIdx.y * MMA_BN;
+    const int n0 = blockIdx.y * BN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
 
@@ -112,7 +126,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
     bool a_ok[A_PER_T];
 #pragma unroll
     for (int i = 0; i < A_PER_T; i++) {
-        const int idx = tid + i * MMA_THREADS, r = idx / CPR, p = tile.begin + r;
+        const int idx = tid + i * THREADS, r = idx / CPR, p = tile.begin + r;
         a_ok[i] = idx < A_CHUNKS && p < tile.end;
         const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
         a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + (idx % CPR) * 8;
@@ -122,7 +136,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
     const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
 #pragma unroll
     for (int i = 0; i < B_PER_T; i++) {
-        const int idx = tid + i * MMA_THREADS, n = n0 + idx / CPR;
+        const int idx = tid + i * THREADS, n = n0 + idx / CPR;
         b_ok[i] = n < a.n;
 #pragma unroll
         for (int m = 0; m < NMAT; m++)
@@ -136,7 +150,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
         const int k0 = kt * BK;
 #pragma unroll
         for (int i = 0; i < A_PER_T; i++) {
-            const int idx = tid + i * MMA_THREADS;
+            const int idx = tid + i * THREADS;
             if (idx < A_CHUNKS) {
                 const bool ok = a_ok[i] && k0 + (idx % CPR) * 8 < a.k;
                 cp_async16(st + swz<BK>(idx / CPR, idx % CPR), ok ? (const void *)(a_src[i] + k0) : a.x, ok);
@@ -146,7 +160,7 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
         for (int m = 0; m < NMAT; m++) {
 #pragma unroll
             for (int i = 0; i < B_PER_T; i++) {
-                const int idx = tid + i * MMA_THREADS;
+                const int idx = tid + i * THREADS;
                 const bool ok = b_ok[i] && k0 + (idx % CPR) * 8 < a.k;
                 cp_async16(st + A_BYTES + m * B_BYTES + swz<BK>(idx / CPR, idx % CPR),
                            ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
@@ -225,16 +239,21 @@ __global__ void __launch_bounds__(MMA_THREADS) mma_kernel(ProjArgs a) {
 
 #include "wgmma.cuh"
 
-template <class T, int BM, bool GLU, int BK> static cudaError_t mma_setup_one() {
-    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU, BK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)mma_smem_bytes<BM, GLU, BK>());
+template <class T, int BM, bool GLU, int BK, int BN = MMA_BN> static cudaError_t mma_setup_one() {
+    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU, BK, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)mma_smem_bytes<BM, GLU, BK, BN>());
 }
 
-/* Every BK=32 kernel, and the BK=64 ones where mma_bk picks them and the device has the shared memory. */
+/* Every BK=32 kernel, and the BK=64 ones where mma_bk picks them and the device has the shared memory;
+ * for 16-row tiles also the narrow kernels. */
 template <class T, int BM, bool GLU> static cudaError_t mma_setup_bm(bool wide_k) {
     cudaError_t e = mma_setup_one<T, BM, GLU, 32>();
     if constexpr (mma_bk<BM, GLU>() == 64)
         if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, 64>();
+    if constexpr (BM == 16) {
+        if (e == cudaSuccess) e = mma_setup_one<T, BM, GLU, 32, MMA_NARROW_BN>();
+        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, 64, MMA_NARROW_BN>();
+    }
     return e;
 }
 
@@ -247,7 +266,19 @@ template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k) {
 }
 
 template <class T, int BM, bool GLU>
-static cudaError_t mma_launch_bm(const ProjArgs &a, dim3 grid, bool wide_k, cudaStream_t stream) {
+static cudaError_t mma_launch_bm(const ProjArgs &a, int64_t slots, bool wide_k, bool narrow, cudaStream_t stream) {
+    if constexpr (BM == 16) {
+        if (narrow) {
+            constexpr int BN = MMA_NARROW_BN;
+            const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
+            if (wide_k)
+                return colibri_launch(mma_kernel<T, BM, GLU, 64, BN>, grid, dim3(2 * BN),
+                                      mma_smem_bytes<BM, GLU, 64, BN>(), stream, a);
+            return colibri_launch(mma_kernel<T, BM, GLU, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, GLU, 32, BN>(),
+                                  stream, a);
+        }
+    }
+    const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
     if constexpr (mma_bk<BM, GLU>() == 64)
         if (wide_k)
             return colibri_launch(mma_kernel<T, BM, GLU, 64>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 64>(),
@@ -256,14 +287,26 @@ static cudaError_t mma_launch_bm(const ProjArgs &a, dim3 grid, bool wide_k, cuda
 }
 
 template <class T, bool GLU>
-static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, cudaStream_t stream) {
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
+static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool narrow,
+                              cudaStream_t stream) {
     switch (tile_m) {
-    case 16: return mma_launch_bm<T, 16, GLU>(a, grid, wide_k, stream);
-    case 32: return mma_launch_bm<T, 32, GLU>(a, grid, wide_k, stream);
-    case 64: return mma_launch_bm<T, 64, GLU>(a, grid, wide_k, stream);
-    default: return mma_launch_bm<T, 128, GLU>(a, grid, wide_k, stream);
+    case 16: return mma_launch_bm<T, 16, GLU>(a, slots, wide_k, narrow, stream);
+    case 32: return mma_launch_bm<T, 32, GLU>(a, slots, wide_k, false, stream);
+    case 64: return mma_launch_bm<T, 64, GLU>(a, slots, wide_k, false, stream);
+    default: return mma_launch_bm<T, 128, GLU>(a, slots, wide_k, false, stream);
     }
+}
+
+/* Blocks of the 16-row kernel (wide: BN = 128, narrow) one SM holds, for the wave estimate below. */
+template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k) {
+    int blocks = 0;
+    cudaError_t e = wide_k ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 64, BN>, 2 * BN,
+                                 mma_smem_bytes<16, GLU, 64, BN>())
+                           : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 32, BN>, 2 * BN,
+                                 mma_smem_bytes<16, GLU, 32, BN>());
+    return e == cudaSuccess ? blocks : 0;
 }
 
 /* The BK=64 kernels take up to 3 * 288 rows * 128 bytes of shared memory per block: more than devices
@@ -285,32 +328,75 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, true>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, false>()));
     }
+    b->mma16_blocks_per_sm[0][0] = mma16_blocks_per_sm<false, MMA_BN>(w);
+    b->mma16_blocks_per_sm[0][1] = mma16_blocks_per_sm<false, MMA_NARROW_BN>(w);
+    b->mma16_blocks_per_sm[1][0] = mma16_blocks_per_sm<true, MMA_BN>(w);
+    b->mma16_blocks_per_sm[1][1] = mma16_blocks_per_sm<true, MMA_NARROW_BN>(w);
     return COLIBRI_OK;
 }
 
-/* GEMV_GROUP for the gemv path; 16..128 picks the tensor-core tile height, ~1.5x the mean assignments
- * per expert so that most experts fit in one tile and their weights are read once (measured: tiles of
- * just the mean were slower, 1.42 vs 1.26 ms for Mixtral at T=64 - see csrc/dev/cuda/NOTES.md). */
+/* Whether a 16-row projection of n outputs runs the narrow kernel: when its grid over the experts
+ * likely touched (top-k of num_tokens tokens spread evenly over E) ends in a clearly fuller last wave
+ * than the BN = 128 grid does. Small batches leave most of a wave idle with BN = 128 (Qwen T=4: 0.6 of
+ * one wave) or a ragged last one (Mixtral T=16: 3.4 waves); NOTES.md, v4. */
+static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n) {
+    const double E = c->num_experts, touched = E * (1.0 - pow(1.0 - (double)c->top_k / E, (double)num_tokens));
+    double fill[2];
+    for (int narrow = 0; narrow < 2; narrow++) {
+        const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow];
+        if (per_sm <= 0) return false;
+        const double waves = touched * ((n + bn - 1) / bn) / ((double)b->sm_count * per_sm);
+        fill[narrow] = waves / ceil(waves);
+    }
+    return fill[1] > fill[0] + 0.05;
+}
+
+/* Where the tensor cores could run, the few-tokens path serves at most this many assignments: with so
+ * few experts touched a tensor-core grid (a row of blocks per expert, each looping over all of K)
+ * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. Measured on the H200
+ * (NOTES.md, v4): gemv faster at T*k <= 8 (Mixtral T=1, 4; DeepSeek/Qwen T=1), the 16-row tensor-core
+ * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). */
+#define GEMV_MAX_ASSIGNMENTS 8
+
+/* 1..GEMV_GROUP: the few-tokens path (gemv.cuh) with that many token rows per pass: the smallest of 2,
+ * 4, 8 at or above 1.5x the mean assignments per expert (1 for at most one per expert on average
+ * when the experts outnumber the assignments 4 to 1). 16..128: the tensor-core tile height, ~1.5x the
+ * mean assignments per expert so that most experts fit in one tile and their weights are read once
+ * (measured: tiles of just the mean were slower, 1.42 vs 1.26 ms for Mixtral at T=64 - see
+ * csrc/dev/cuda/NOTES.md); but 32 rather than 64 where 1.3x the mean still fits 32 rows (the 64-row
+ * GLU tile keeps BK=32: DeepSeek T=256 1.37x with 32, NOTES.md v4). */
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
     const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && c->hidden_size % 8 == 0 &&
                               c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
-    const int64_t assignments = num_tokens * c->top_k;
-    if (!tensor_cores || assignments <= 4 * (int64_t)c->num_experts) return GEMV_GROUP;
-    const int64_t want = (assignments * 3 / 2 + c->num_experts - 1) / c->num_experts;
+    const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
+    if (!tensor_cores || assignments <= GEMV_MAX_ASSIGNMENTS) {
+        if (4 * assignments <= E) return 1;
+        const int64_t want3 = assignments * 3; /* 2 * (1.5 * mean) * E */
+        return want3 <= 4 * E ? 2 : want3 <= 8 * E ? 4 : GEMV_GROUP;
+    }
+    const int64_t want = (assignments * 3 / 2 + E - 1) / E;
+    if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) return 32;
     return want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
 }
 
-/* One projection over the tile table: x rows -> out [positions, n], weights at byte offset `first`
- * (and `first + second` for the up matrix of a GLU) inside each expert. */
+/* Few enough assignments that the few-tokens path finds each block's expert itself (no permute). */
+bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
+    return tile_m <= GEMV_GROUP && num_tokens * ctx->cfg.top_k <= GEMV_DIRECT_MAX &&
+           ctx->cfg.num_experts <= GEMV_DIRECT_MAX_E;
+}
+
+/* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
+ * x rows -> out [positions, n], weights at byte offset `first` (and `first + second` for the up matrix of
+ * a GLU) inside each expert. `bookkeeping`: this projection keeps the direct mode's counters. */
 template <class TW, class TX, bool GLU>
 static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments, int32_t tile_m, size_t first,
                            size_t second, int32_t n, int32_t k, const void *x, const int32_t *row_map, void *out,
-                           bool x_aligned, cudaStream_t stream) {
+                           bool x_aligned, const int32_t *direct_ids, bool bookkeeping, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
-    const int64_t slots = assignments / tile_m + active;
+    int64_t slots = assignments / tile_m + active;
     ProjArgs a = {};
     a.w = b->d_weights + first;
     a.w_expert_stride = b->expert_stride;
@@ -323,17 +409,33 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     a.out = out;
     a.tiles = b->tiles;
     a.num_tiles = b->num_tiles;
-    if (tile_m == GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, k % 8 == 0 && x_aligned, stream);
+    if (direct_ids) {
+        /* positions are assignment indices: x row t = position / k for the first projection, which reads
+         * the tokens (row_map given), the position itself for the second, which reads inter */
+        a.row_div = row_map ? ctx->cfg.top_k : 1;
+        a.tiles = NULL;
+        a.num_tiles = NULL;
+        a.row_map = NULL;
+        a.ids = direct_ids;
+        a.num_ids = (int32_t)assignments;
+        a.num_experts = ctx->cfg.num_experts;
+        a.totals = bookkeeping ? b->totals : NULL;
+        a.bad_id = bookkeeping ? b->bad_id : NULL;
+        a.early = !bookkeeping;
+        slots = active;
+    }
+    if (tile_m <= GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, stream);
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
         if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, b->sm_count, stream);
-        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, stream);
+        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n);
+        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
 }
 
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
-                                             cudaStream_t stream) {
+                                             const int32_t *direct_ids, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
     const int64_t assignments = num_tokens * c->top_k;
@@ -341,7 +443,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     const size_t wsize = colibri_dtype_size(c->weight_dtype), mat = (size_t)F * H * wsize;
     const bool swiglu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
     /* the tensor-core path reads x in the weight dtype */
-    if (tile_m != GEMV_GROUP && act_dtype != c->weight_dtype) {
+    if (tile_m > GEMV_GROUP && act_dtype != c->weight_dtype) {
         colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, c->weight_dtype,
                                                           num_tokens * H, stream);
         if (st != COLIBRI_OK) return st;
@@ -356,14 +458,14 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
             using TX = typename decltype(tx)::type;
             if (swiglu)
                 err = project<TW, TX, true>(ctx, assignments, tile_m, 0, mat, F, H, input, b->perm, b->inter,
-                                            in_aligned, stream);
+                                            in_aligned, direct_ids, true, stream);
             else
-                err = project<TW, TX, false>(ctx, assignments, tile_m, 0, 0, F, H, input, b->perm, b->y, in_aligned,
-                                             stream);
+                err = project<TW, TX, false>(ctx, assignments, tile_m, 0, 0, F, H, input, b->perm, b->y,
+                                             in_aligned, direct_ids, true, stream);
         });
         if (err == cudaSuccess && swiglu)
             err = project<TW, TW, false>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
-                                         stream);
+                                         direct_ids, false, stream);
     });
     COLIBRI_CUDA_CHECK(err);
     return COLIBRI_OK;

@@ -4,10 +4,25 @@
  *
  * At decode a touched expert sees one to a few tokens, so the cost is streaming its weights once.
  * Each warp owns one output row n (for SWIGLU the gate row and the up row together, so silu(g) * u is
- * formed in the same pass), walks K with 16-byte loads, UNROLL of them in flight per matrix, and dots
- * them against up to 8 token rows read through L1. A block is 8 warps = 8 consecutive rows (blockIdx.y); blockIdx.x
- * picks a tile (expert, positions [begin, end)) from the table permute.cu wrote, or, with no table,
- * a group of 8 consecutive positions (the router, whose "expert" is the single router matrix).
+ * formed in the same pass), walks K with 16-byte loads, UNROLL of them in flight (8 in the one-matrix
+ * kernels of at most 2 token rows, else 4 per matrix), and dots them against up to MAXNT token rows
+ * read through L1. A block is 8 warps = 8 consecutive rows (blockIdx.y); blockIdx.x picks the
+ * positions one of three ways:
+ *  - direct mode (ids given, few assignments): the blockIdx.x-th distinct expert among the ids, and
+ *    the assignments that chose it, found by the block itself: no permute kernel runs, and
+ *    positions are assignment indices t*k+j (the first projection also keeps the expert counters and
+ *    the bad-id flag that permute.cu keeps otherwise);
+ *  - a tile (expert, positions [begin, end)) from the table permute.cu wrote;
+ *  - with neither, a group of 8 consecutive positions (the router, whose "expert" is the single
+ *    router matrix).
+ * MAXNT (the tile height of the few-tokens path, host-chosen from the mean tokens per expert) bounds
+ * the token rows one pass serves: the registers of the widest pass bound how many blocks share an SM,
+ * so decode-sized launches use the narrow kernels (more warps, more bytes in flight per SM).
+ *
+ * Programmatic dependent launch in direct mode: the first projection waits for the routing and only
+ * then lets the second one launch, so the second may read the ids, find its expert and issue its first
+ * weight loads (for the down projection of a fine-grained expert, the whole row) before it waits for
+ * the first projection's output: its weight stream overlaps the first projection's last wave.
  */
 #ifndef COLIBRI_CUDA_GEMV_CUH
 #define COLIBRI_CUDA_GEMV_CUH
@@ -15,7 +30,9 @@
 #include "cuda_backend.cuh"
 
 #define GEMV_WARPS 8
-#define GEMV_GROUP 8 /* most positions one block serves: the tile_m of the few-tokens path */
+#define GEMV_GROUP 8         /* most positions one pass serves: the largest tile_m of the few-tokens path */
+#define GEMV_DIRECT_MAX 256  /* direct mode: at most this many assignments (one per thread of a block) */
+#define GEMV_DIRECT_MAX_E 4096 /* and this many experts (a flag per expert in shared memory) */
 
 /* One projection over expert rows, for the gemv kernel here and the tensor-core kernel (experts.cu),
  * which takes x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
@@ -25,31 +42,102 @@ struct ProjArgs {
     size_t w_second;          /* GLU: bytes from the gate matrix to the up matrix */
     int32_t n, k;             /* N outputs, K inputs */
     const void *x;            /* rows of K elements */
-    const int32_t *row_map;   /* position p reads x row row_map[p] / row_div; NULL: row p */
+    const int32_t *row_map;   /* position p reads x row row_map[p] / row_div; NULL: row p / row_div */
     int32_t row_div;
     void *out;                /* [positions, N] */
     const ExpertTile *tiles;  /* NULL: blockIdx.x covers positions [8x, 8x + 8) of `positions` */
     const int32_t *num_tiles;
     int32_t positions;
+    /* direct mode (gemv only): ids [num_ids] of num_experts experts; positions are assignment indices */
+    const int32_t *ids;
+    int32_t num_ids, num_experts;
+    unsigned long long *totals; /* first projection of direct mode: per-expert counters, else NULL */
+    int32_t *bad_id;            /* likewise: set when an id is out of range */
+    int32_t early;              /* second projection of direct mode: weights loaded before the wait */
 };
 
+/* Direct mode: finds the blockIdx.x-th distinct valid expert of ids[0, n) in ascending id order, and
+ * writes to s_pos the assignment indices that chose it, ascending. Returns how many (0: no such
+ * expert; the same in every thread). Every thread of the block calls it; n <= blockDim.x. */
+__device__ __forceinline__ int gemv_direct_setup(const ProjArgs &a, int &expert, int *s_pos) {
+    extern __shared__ int s_flag[]; /* [num_experts] */
+    __shared__ int s_warp[32];
+    __shared__ int s_expert;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const int n = a.num_ids, E = a.num_experts;
+    for (int e = tid; e < E; e += blockDim.x) s_flag[e] = 0;
+    int my = -1;
+    if (tid < n) {
+        const int e = __ldcg(a.ids + tid); /* from L2: an early second projection reads it before its wait */
+        if ((unsigned)e < (unsigned)E) my = e;
+        else if (a.bad_id && blockIdx.x == 0 && blockIdx.y == 0) *a.bad_id = 1;
+    }
+    __syncthreads();
+    if (my >= 0) s_flag[my] = 1;
+    __syncthreads();
+    /* each thread counts the present experts of a contiguous run; the scan ranks them */
+    const int per = (E + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int e0 = min(tid * per, E), e1 = min(e0 + per, E);
+    int c = 0;
+    for (int e = e0; e < e1; e++) c += s_flag[e];
+    int total;
+    const int before = colibri_block_exclusive_scan(c, s_warp, &total);
+    const int r = blockIdx.x;
+    if (r >= total) return 0;
+    if (r >= before && r < before + c) {
+        int left = r - before;
+        for (int e = e0; e < e1; e++)
+            if (s_flag[e] && left-- == 0) {
+                s_expert = e;
+                break;
+            }
+    }
+    __syncthreads();
+    expert = s_expert;
+    const bool mine = my == expert;
+    const unsigned m = __ballot_sync(0xffffffffu, mine);
+    if (lane == 0) s_warp[warp] = __popc(m);
+    __syncthreads();
+    int base = 0, count = 0;
+    for (int w = 0; w < nwarps; w++) {
+        const int cw = s_warp[w];
+        base += w < warp ? cw : 0;
+        count += cw;
+    }
+    if (mine) s_pos[base + __popc(m & ((1u << lane) - 1u))] = tid;
+    if (a.totals && blockIdx.y == 0 && tid == 0) a.totals[expert] += (unsigned long long)count;
+    __syncthreads();
+    return count;
+}
+
+/* Position p of this block: its output row and its x row. */
+__device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_pos, int p, int &out_row, int &x_row) {
+    if (s_pos) {
+        out_row = s_pos[p];
+        x_row = out_row / a.row_div;
+    } else {
+        out_row = p;
+        x_row = a.row_map ? a.row_map[p] / a.row_div : p;
+    }
+}
+
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. */
-template <class TW, class TX, class TO, int VW, bool GLU, int NT>
-__device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, int p0, int count, int n,
-                                          int lane) {
-    constexpr int UNROLL = VW == 1 ? 1 : 4;
+template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
+__device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
+                                          int count, int n, int lane, bool &must_wait) {
     constexpr int STEP = 32 * VW;
     const TX *xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) {
-        const int p = p0 + (t < count ? t : count - 1);
-        const int row = a.row_map ? a.row_map[p] / a.row_div : p;
-        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)row * a.k;
+        int out_row, x_row;
+        gemv_position(a, s_pos, p0 + (t < count ? t : count - 1), out_row, x_row);
+        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k;
     }
     float acc0[NT], acc1[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
 
+    /* UNROLL loads per matrix issued before the first use, then single steps for the rest of K */
     int k = lane * VW;
     for (; k + (UNROLL - 1) * STEP < a.k; k += UNROLL * STEP) {
         Pack<TW, VW> wa[UNROLL], wb[UNROLL];
@@ -57,6 +145,10 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
         for (int u = 0; u < UNROLL; u++) {
             wa[u] = load_stream<TW, VW>(w0 + k + u * STEP);
             if (GLU) wb[u] = load_stream<TW, VW>(w1 + k + u * STEP);
+        }
+        if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
+            pdl_wait();
+            must_wait = false;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
@@ -76,6 +168,10 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
         const Pack<TW, VW> wa = load_stream<TW, VW>(w0 + k);
         Pack<TW, VW> wb;
         if (GLU) wb = load_stream<TW, VW>(w1 + k);
+        if (must_wait) {
+            pdl_wait();
+            must_wait = false;
+        }
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float xv[VW];
@@ -99,17 +195,33 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         if (lane == t && t < count) {
+            int out_row, x_row;
+            gemv_position(a, s_pos, p0 + t, out_row, x_row);
             const float v = GLU ? silu_f32(acc0[t]) * acc1[t] : acc0[t];
-            out[(size_t)(p0 + t) * a.n + n] = from_f32<TO>(v);
+            out[(size_t)out_row * a.n + n] = from_f32<TO>(v);
         }
     }
 }
 
-template <class TW, class TX, class TO, int VW, bool GLU>
-__global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(ProjArgs a) {
-    pdl_begin();
+/* Blocks per SM the register budget must allow: 4 (64 registers) for the decode kernels, 3 or 2 for the
+ * wider ones. */
+template <int MAXNT> constexpr int gemv_min_blocks() { return MAXNT <= 2 ? 3 : 2; }
+
+template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
+    __shared__ int s_pos_buf[GEMV_DIRECT_MAX];
+    bool must_wait = a.ids && a.early;
+    if (must_wait) pdl_trigger();                  /* wait later, after the first weight loads */
+    else if (a.ids) { pdl_wait(); pdl_trigger(); } /* the next kernel may read the ids early */
+    else pdl_begin();
     int expert = 0, p0, p1;
-    if (a.tiles) {
+    const int *s_pos = nullptr;
+    if (a.ids) {
+        p1 = gemv_direct_setup(a, expert, s_pos_buf);
+        if (p1 == 0) return;
+        p0 = 0;
+        s_pos = s_pos_buf;
+    } else if (a.tiles) {
         if ((int)blockIdx.x >= *a.num_tiles) return;
         const ExpertTile tile = a.tiles[blockIdx.x];
         expert = tile.expert;
@@ -124,23 +236,60 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_kernel(ProjArgs a) {
     if (n >= a.n) return;
     const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
     const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
-    for (; p0 < p1; p0 += GEMV_GROUP) {
-        const int count = min(p1 - p0, GEMV_GROUP);
-        if (count > 4) gemv_rows<TW, TX, TO, VW, GLU, 8>(a, w0, w1, p0, count, n, lane);
-        else if (count > 2) gemv_rows<TW, TX, TO, VW, GLU, 4>(a, w0, w1, p0, count, n, lane);
-        else if (count == 2) gemv_rows<TW, TX, TO, VW, GLU, 2>(a, w0, w1, p0, count, n, lane);
-        else gemv_rows<TW, TX, TO, VW, GLU, 1>(a, w0, w1, p0, count, n, lane);
+    /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
+     * projection at decode), else 4 (registers: see the file header) */
+    constexpr int U = VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8;
+    for (; p0 < p1; p0 += MAXNT) {
+        const int count = min(p1 - p0, MAXNT);
+        if constexpr (MAXNT >= 8)
+            if (count > 4) {
+                gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
+                continue;
+            }
+        if constexpr (MAXNT >= 4)
+            if (count > 2) {
+                gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
+                continue;
+            }
+        if constexpr (MAXNT >= 2)
+            if (count == 2) {
+                gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
+                continue;
+            }
+        gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
     }
 }
 
-/* Launches gemv_kernel over `slots` values of blockIdx.x (slots that find no tile return at once).
+template <class TW, class TX, class TO, int VW, bool GLU>
+static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t smem, cudaStream_t stream) {
+    switch (tile) {
+    case 1: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 1>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 2: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 2>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 4: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 4>, grid, GEMV_WARPS * 32, smem, stream, a);
+    default: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 8>, grid, GEMV_WARPS * 32, smem, stream, a);
+    }
+}
+
+/* Launches gemv_kernel over `slots` values of blockIdx.x (slots that find no tile or expert return at
+ * once). tile: 1, 2, 4 or 8, the most token rows per pass (and the tile_m permute.cu used, if any).
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
- * otherwise one element at a time. */
+ * otherwise one element at a time (always the 8-row kernel: those shapes are small). */
 template <class TW, class TX, class TO, bool GLU>
-static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
+static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
-    if (vec) return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), GLU>, grid, GEMV_WARPS * 32, 0, stream, a);
-    return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU>, grid, GEMV_WARPS * 32, 0, stream, a);
+    const size_t smem = a.ids ? (size_t)a.num_experts * sizeof(int) : 0;
+    if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), GLU>(a, grid, tile, smem, stream);
+    return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
+}
+
+/* The router's launch: no tiles, groups of GEMV_GROUP positions. */
+template <class TW, class TX, class TO>
+static cudaError_t gemv_launch_groups(const ProjArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
+    const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
+    if (vec)
+        return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), false, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0,
+                              stream, a);
+    return colibri_launch(gemv_kernel<TW, TX, TO, 1, false, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0, stream, a);
 }
 
 #endif /* COLIBRI_CUDA_GEMV_CUH */
