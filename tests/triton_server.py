@@ -1,6 +1,7 @@
 """A real tritonserver for the serving tests, started the way users start it (`python -m colibri
 serve`) on free ports, and always stopped."""
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,21 @@ class Server:
     def get(self, url: str) -> str:
         with urllib.request.urlopen(url, timeout=10) as reply:
             return reply.read().decode()
+
+    def model_stats(self, model: str = "colibri_moe"):
+        """(execution_count, inference_count) once settled: Triton records a request's statistics just
+        after it sends the response, so a read right after the last answer can miss it."""
+        def read():
+            stats = json.loads(self.get(f"http://{self.http_url}/v2/models/{model}/stats"))["model_stats"][0]
+            return int(stats["execution_count"]), int(stats["inference_count"])
+
+        previous = read()
+        while True:
+            time.sleep(0.2)
+            current = read()
+            if current == previous:
+                return current
+            previous = current
 
 
 @contextlib.contextmanager
