@@ -57,11 +57,15 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(weights: Path, log_dir: Path, *serve_args, ports=None):
+def serving(weights: Path, log_dir: Path, *serve_args, ports=None, probes=False):
     """Yields a ready Server serving `weights` (on `ports`, else free ones); stops it on exit, whatever
-    happened inside."""
+    happened inside. The launcher's watchdog restarts a server that exits; its liveness probes (a
+    one-token request every 5 s) only with `probes`, as they would show in the statistics and
+    metrics that tests count exactly."""
     from colibri import serve
     http_port, grpc_port, metrics_port = ports or serve.free_ports(3)
+    if not probes:
+        serve_args = ("--probe-interval", "0", *serve_args)
     server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
     with open(server.log_path, "w") as log:
         launcher = subprocess.Popen(
