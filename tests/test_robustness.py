@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
@@ -602,6 +603,27 @@ def test_json_declaring_a_huge_tensor_kills_triton_2_51(weights, tmp_path):
         except (ConnectionError, http.client.HTTPException) as error:
             pytest.fail(f"the server closed the connection ({type(error).__name__}): {doomed.log_tail(3)}")
         assert 400 <= status < 500 and server_ready(doomed)
+
+
+def test_launcher_restarts_triton_after_the_huge_json_shape_crash(weights, oracle, tmp_path):
+    """Until Triton refuses such a request (see the xfail above and README.md, Operations), the
+    launcher's watchdog starts tritonserver again on the same ports, and answers are exact again."""
+    doc = {"inputs": [{"name": "hidden_states", "shape": [2**28, 64], "datatype": "FP32", "data": [0.0] * 64}]}
+    with serving(weights, tmp_path) as server:
+        try:
+            http_post(server, json.dumps(doc).encode(), {})
+        except (ConnectionError, http.client.HTTPException):
+            pass  # the server died with the connection open
+        deadline = time.monotonic() + 60
+        while "exited with status" not in server.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, f"the server did not die:\n{server.log_tail()}"
+            time.sleep(0.1)
+        while not server_ready(server):
+            assert time.monotonic() < deadline, f"not restarted:\n{server.log_tail()}"
+            time.sleep(0.2)
+        log = server.log_path.read_text(errors="replace")
+        assert "std::bad_alloc" in log and "exited with status -6 unbidden: restarting it" in log, log[-3000:]
+        check_good_request_after(server, oracle, lambda good: http_infer(server, good))
 
 
 # --------------------------------------------------------------------------------------------------
