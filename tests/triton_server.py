@@ -81,6 +81,8 @@ def serving(weights: Path, log_dir: Path, *serve_args, ports=None, probes=False)
 
 
 def _wait_ready(launcher, server):
+    """Until the model is ready and the launcher has said so (from then on its watchdog restarts a
+    server that dies; before, a death is a failed start)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     ready = f"http://{server.http_url}/v2/models/colibri_moe/ready"
     while time.monotonic() < deadline:
@@ -89,7 +91,8 @@ def _wait_ready(launcher, server):
                                f"{server.log_tail()}")
         try:
             with urllib.request.urlopen(ready, timeout=2) as reply:
-                if reply.status == 200:
+                if reply.status == 200 and "colibri serve: colibri_moe ready" in server.log_path.read_text(
+                        errors="replace"):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
