@@ -19,14 +19,14 @@ def weights(tmp_path_factory):
 
 
 def mixed_batch(rng, layer, T_max=9):
-    """Requests (router-routed and explicitly routed), some with a NaN or an Inf in random rows:
-    [(request, first bad row or None)]."""
+    """Requests (router-routed and explicitly routed), every third with a NaN or an Inf in one or two
+    random rows: [(request arrays, first bad row or None)]."""
     E, k, H = layer.config.num_experts, layer.config.top_k, layer.config.hidden_size
     batch = []
     for n in range(12):
         T = int(rng.integers(1, T_max + 1))
         x = rng.standard_normal((T, H)).astype(np.float32)
-        bad = sorted(int(r) for r in rng.choice(T, size=int(rng.integers(0, min(T, 2) + 1)), replace=False)) \
+        bad = sorted(int(r) for r in rng.choice(T, size=int(rng.integers(1, min(T, 2) + 1)), replace=False)) \
             if n % 3 == 0 else []
         for row in bad:
             x[row, rng.integers(H)] = rng.choice([np.nan, np.inf, -np.inf])
