@@ -2,9 +2,14 @@
 # Container entrypoint. Makes sure a packed checkpoint is where COLIBRI_WEIGHTS points (writing a
 # synthetic demo one on first start, so `docker compose up` serves with no model at hand), then runs
 # the command through NVIDIA's entrypoint, which checks the driver and sets up CUDA compatibility.
+# A `tritonserver ...` command runs under colibri's watchdog (`python3 -m colibri watch -- tritonserver
+# ...`), which restarts it when it exits unbidden or stops answering one-token requests (a killed
+# Python-backend stub, which tritonserver never restarts, while its ready endpoint still says 200).
 #   COLIBRI_WEIGHTS          absolute path of the checkpoint (the image sets /weights/...)
 #   COLIBRI_DEMO_IF_MISSING  1 (default): write a demo checkpoint when it is missing; 0: fail instead
 #   COLIBRI_DEMO_ARGS        extra arguments for `python -m colibri demo` (--experts 8 --dtype bf16 ...)
+#   COLIBRI_WATCHDOG         1 (default): tritonserver under the watchdog; 0: tritonserver alone
+#   COLIBRI_WATCH_ARGS       extra arguments for `python -m colibri watch` (--probe-interval 5 ...)
 set -eu
 
 weights="${COLIBRI_WEIGHTS:?COLIBRI_WEIGHTS must name the packed checkpoint to serve}"
@@ -30,6 +35,11 @@ if [ ! -e "$weights" ]; then
     mv "$partial" "$weights"
     trap - EXIT
     echo "colibri entrypoint: wrote a demo checkpoint to $weights" >&2
+fi
+
+if [ "${1:-}" = tritonserver ] && [ "${COLIBRI_WATCHDOG:-1}" = 1 ]; then
+    # shellcheck disable=SC2086  # COLIBRI_WATCH_ARGS is a list of words on purpose
+    set -- python3 -m colibri watch ${COLIBRI_WATCH_ARGS:-} -- "$@"
 fi
 
 if [ -x /opt/nvidia/nvidia_entrypoint.sh ]; then

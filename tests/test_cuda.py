@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri.testing import random_layer
+from colibri.testing import error_limit, random_layer
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 gpu = colibri.cuda_built() and colibri.cuda_device_count() > 0
@@ -49,3 +49,32 @@ def test_torch_graph_replay_is_bitwise_eager(rng, T):
         torch.cuda.synchronize()
         assert torch.isfinite(static_out.float()).all()
         assert torch.equal(static_out.view(torch.int16), eager.view(torch.int16))
+
+
+@needs_gpu
+def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, monkeypatch, tmp_path):
+    """model.py on a GPU instance, hidden states on the GPU (as CUDA shared memory gives them) and on
+    the host (plain gRPC/HTTP) in one batch: the requests holding a NaN or an Inf are refused naming
+    their row, the others answered as alone, and the whole batch's check copies to the host once."""
+    torch = pytest.importorskip("torch")
+    from colibri import checkpoint
+    from colibri import layer as layer_module
+    from fake_backend import load_model, request
+    from test_model_py import check_answers, mixed_batch
+
+    weights = tmp_path / "gpu.colibri.safetensors"
+    checkpoint.write_demo(weights, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=3)
+    model = load_model(monkeypatch, weights, kind="GPU")
+    layer = colibri.MoELayer.from_file(weights, device="cuda")
+    copies = []
+    to_host = layer_module._device_to_host
+    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    for _ in range(3):
+        batch = mixed_batch(rng, layer)
+        on_gpu = [{name: torch.from_numpy(a).cuda() if n % 4 else a for name, a in arrays.items()}
+                  for n, (arrays, _) in enumerate(batch)]
+        copies.clear()
+        responses = model.execute([request(**arrays) for arrays in on_gpu])
+        assert len(copies) == 1, f"{len(copies)} copies to the host for one batch's check"
+        gpu_batch = [({name: torch.from_numpy(a).cuda() for name, a in arrays.items()}, bad) for arrays, bad in batch]
+        check_answers(responses, gpu_batch, layer, limit=error_limit("fp32", "bf16"))

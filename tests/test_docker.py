@@ -570,8 +570,9 @@ def check_server(service, dockerfile):
     published = {(p["target"], str(p["published"])) for p in service["ports"]}
     assert {(8000, "8000"), (8001, "8001"), (8002, "8002")} <= published, published
     assert all(p.get("host_ip") == "127.0.0.1" for p in service["ports"]), "loopback unless asked"
-    health = " ".join(service["healthcheck"]["test"])
-    assert "http://localhost:8000/v2/health/ready" in health, health
+    health = service["healthcheck"]["test"]
+    assert health[:5] == ["CMD", "python3", "-m", "colibri", "probe"] and "http://localhost:8000" in health, health
+    assert service.get("init") is True, "init reaps the stubs a killed tritonserver leaves"
     mounts = {m["target"]: m for m in service["volumes"]}
     weights = service["environment"]["COLIBRI_WEIGHTS"]
     assert any(weights.startswith(target + "/") for target in mounts), f"{weights} is not on a mounted volume"
@@ -663,20 +664,40 @@ def read_safetensors_header(path):
     return json.loads(data[8:8 + length])
 
 
-def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
+def python3_with_colibri(tmp_path):
+    """Environment whose `python3` (which the entrypoint calls, as in the image) is this interpreter,
+    importing this colibri package; its bin folder is tmp_path/bin."""
     try:
-        import colibri  # noqa: F401  (the demo CLI needs the built package)
+        import colibri  # noqa: F401  (the CLI needs the built package)
         from colibri import checkpoint  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"colibri package not importable here ({exc}); `make python` builds it")
-    # The entrypoint calls `python3`, as in the image; here that must be this interpreter.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     package_parent = str(Path(colibri.__file__).resolve().parents[1])
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": package_parent}
+
+
+def test_entrypoint_runs_tritonserver_under_the_watchdog(tmp_path):
+    env = python3_with_colibri(tmp_path)
+    weights = tmp_path / "w.colibri.safetensors"
+    weights.write_bytes(b"kept")
+    # A tritonserver that fails at once: the watchdog says so and exits 2; bare, its own status is the container's.
+    (tmp_path / "bin" / "tritonserver").write_text('#!/bin/sh\necho "tritonserver $*"\nexit 3\n')
+    (tmp_path / "bin" / "tritonserver").chmod(0o755)
+    watched = run_entrypoint(tmp_path, weights, "tritonserver", "--http-port=8123", **env)
+    assert watched.returncode == 2, watched.stdout + watched.stderr
+    assert watched.stdout.strip() == "tritonserver --http-port=8123"
+    assert "colibri watchdog: tritonserver did not start: tritonserver exited with status 3" in watched.stderr
+    bare = run_entrypoint(tmp_path, weights, "tritonserver", "--http-port=8123", COLIBRI_WATCHDOG="0", **env)
+    assert bare.returncode == 3 and "watchdog" not in bare.stderr, bare.stderr
+
+
+def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
+    env = python3_with_colibri(tmp_path)
     weights = tmp_path / "volume" / "weights.colibri.safetensors"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": package_parent}
     first = run_entrypoint(tmp_path, weights, "true", **env)
     assert first.returncode == 0, first.stderr
     header = read_safetensors_header(weights)

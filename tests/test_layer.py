@@ -404,3 +404,112 @@ def test_cuda_input_errors(rng):
     ids, _ = layer.route(torch.from_numpy(stored).cuda())
     ref, *_ = routed_reference(config, experts, x64, router, None, ids.cpu().numpy())
     assert_close(out.cpu().numpy(), ref, error_limit("fp32"), "after an error")
+
+
+# --------------------------------------------------------------------------------- non-finite inputs
+
+# Bit patterns per activation dtype (as stored: fp32 uint32, fp16 and bf16 uint16): Inf, -Inf, quiet,
+# negative and payload NaNs; and finite values at the edges (largest, smallest subnormal, -0), which
+# must not be taken for them.
+NONFINITE_BITS = {"fp32": [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001],
+                  "fp16": [0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01],
+                  "bf16": [0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81]}
+FINITE_EDGE_BITS = {"fp32": [0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80000000],
+                    "fp16": [0x7BFF, 0xFBFF, 0x0001, 0x8000],
+                    "bf16": [0x7F7F, 0xFF7F, 0x0001, 0x8000]}
+BITS_VIEW = {"fp32": np.uint32, "fp16": np.uint16, "bf16": np.uint16}
+
+
+def hidden_with_nonfinite_rows(rng, T, H, dtype):
+    """(stored hidden states [T, H] with finite edge values everywhere and non-finite ones in a few
+    random rows, those rows sorted)."""
+    stored, _ = random_hidden(rng, T, H, dtype)
+    bits = stored.view(BITS_VIEW[dtype])
+    for _ in range(3):
+        bits[rng.integers(T), rng.integers(H)] = rng.choice(FINITE_EDGE_BITS[dtype])
+    bad = sorted(int(r) for r in rng.choice(T, size=int(rng.integers(0, min(T, 3) + 1)), replace=False))
+    for row in bad:
+        bits[row, rng.integers(H)] = rng.choice(NONFINITE_BITS[dtype])
+    return stored, bad
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_nonfinite_rows_names_each_arrays_first_bad_row(rng, dtype):
+    arrays, expected = [], []
+    for T in (1, 2, 5, 64, 513):
+        stored, bad = hidden_with_nonfinite_rows(rng, T, 48, dtype)
+        arrays.append(as_input(stored, dtype))
+        expected.append(bad[0] if bad else None)
+    capsule, capsule_bad = hidden_with_nonfinite_rows(rng, 9, 48, dtype)
+    arrays.append(as_input(capsule, dtype).__dlpack__())
+    expected.append(capsule_bad[0] if capsule_bad else None)
+    # Left to the layer's own checks: no array, no rows, no tokens, integers.
+    arrays += [None, as_input(np.zeros((0, 48), BITS_VIEW[dtype]).view(capsule.dtype), dtype), np.arange(4)]
+    expected += [None, None, None]
+    assert colibri.nonfinite_rows(arrays) == expected
+
+
+def test_forward_check_finite_refuses_naming_the_row(rng, small_layer):
+    config, experts, router, layer = small_layer
+    x = rng.standard_normal((6, config.hidden_size)).astype(np.float32)
+    x[4, 3], x[5, 0] = np.inf, np.nan
+    with pytest.raises(colibri.ColibriError, match="hidden_states: not finite at row 4") as info:
+        layer.forward(x, check_finite=True)
+    assert info.value.status == colibri.STATUS_INVALID_ARGUMENT
+    # Without the check (the default) the NaN and Inf are computed and stay in their own tokens.
+    out = layer.forward(x)
+    assert (~np.isfinite(out[4:])).any(1).all()
+    np.testing.assert_array_equal(out[:4], layer.forward(x[:4], check_finite=True))
+    _still_works(rng, config, experts, router, layer)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cuda_nonfinite_rows_one_synchronisation(rng, dtype, monkeypatch):
+    """GPU arrays are checked on the GPU, with their own library, and all their answers come back in
+    one copy to the host; host arrays in the same list are checked on the host."""
+    torch = _gpu_library("torch")
+    from colibri import layer as layer_module
+    copies = []
+    to_host = layer_module._device_to_host
+    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+    def on_gpu(stored):
+        return torch.from_numpy(stored.view(np.int32 if dtype == "fp32" else np.int16)).cuda().view(torch_dtype)
+
+    arrays, expected = [], []
+    for T in (1, 3, 64, 513, 7):
+        stored, bad = hidden_with_nonfinite_rows(rng, T, 40, dtype)
+        arrays.append(on_gpu(stored))
+        expected.append(bad[0] if bad else None)
+    host, host_bad = hidden_with_nonfinite_rows(rng, 6, 40, dtype)
+    arrays.append(as_input(host, dtype))
+    expected.append(host_bad[0] if host_bad else None)
+    capsule, capsule_bad = hidden_with_nonfinite_rows(rng, 9, 40, dtype)
+    arrays.append(on_gpu(capsule).__dlpack__())  # a raw capsule: checked with cupy if present, else torch
+    expected.append(capsule_bad[0] if capsule_bad else None)
+    assert colibri.nonfinite_rows(arrays) == expected
+    libraries = {type(c).__module__.split(".")[0] for c in copies}
+    assert len(copies) == len(libraries) <= 2, copies
+
+    if dtype != "bf16":  # cupy has no bfloat16; a cupy array alone: one copy, with cupy
+        cupy = _gpu_library("cupy")
+        copies.clear()
+        stored, bad = hidden_with_nonfinite_rows(rng, 33, 40, dtype)
+        assert colibri.nonfinite_rows([cupy.asarray(stored), cupy.asarray(stored[:1])]) == \
+            [bad[0] if bad else None, 0 if bad and bad[0] == 0 else None]
+        assert len(copies) == 1 and isinstance(copies[0], cupy.ndarray)
+
+
+@needs_gpu
+def test_cuda_forward_check_finite(rng):
+    torch = _gpu_library("torch")
+    config, experts, router, _ = random_layer(rng, hidden_size=H_ERR)
+    layer = colibri.MoELayer(config, experts, router, device="cuda")
+    x = torch.from_numpy(rng.standard_normal((5, H_ERR)).astype(np.float32)).cuda()
+    x[3, 7] = float("-inf")
+    with pytest.raises(colibri.ColibriError, match="hidden_states: not finite at row 3") as info:
+        layer.forward(x, check_finite=True, stream=torch.cuda.Stream())
+    assert info.value.status == colibri.STATUS_INVALID_ARGUMENT
+    assert torch.equal(layer.forward(x[:3], check_finite=True), layer.forward(x[:3]))

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -77,19 +76,7 @@ def assert_close(output, expected):
 
 
 def model_stats(server):
-    """(execution_count, inference_count) once settled: Triton records a request's statistics just
-    after it sends the response, so a read right after the last answer can miss it."""
-    def read():
-        stats = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/stats"))["model_stats"][0]
-        return int(stats["execution_count"]), int(stats["inference_count"])
-
-    previous = read()
-    while True:
-        time.sleep(0.2)
-        current = read()
-        if current == previous:
-            return current
-        previous = current
+    return server.model_stats(MODEL)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -161,6 +148,9 @@ def bad_requests(layer, rng):
         "topk_weights k mismatch": (with_routing(weights=np.full((T, k + 1), 0.5, np.float32)), "topk_weights"),
         # Triton compares the inputs' batch sizes itself and names the first input.
         "token count mismatch": (with_routing(ids=ids[:T - 1], weights=weights[:T - 1]), "hidden_states"),
+        "NaN hidden state": ([("hidden_states", replaced(x, 2, 5, np.nan), "FP32")], "hidden_states: not finite at row 2"),
+        "infinite hidden state": ([("hidden_states", replaced(x, 1, 0, -np.inf), "FP32")] + with_routing()[1:],
+                                  "hidden_states: not finite at row 1"),
         "NaN weight": (with_routing(weights=replaced(weights, 0, 1, np.nan)), "topk_weights"),
         "infinite weight": (with_routing(weights=replaced(weights, 1, 0, np.inf)), "topk_weights"),
         "topk_weights missing": (with_routing()[:2], "topk_weights"),
@@ -170,8 +160,9 @@ def bad_requests(layer, rng):
 
 
 BAD_REQUEST_NAMES = ["wrong hidden size", "no tokens", "hidden_states fp64", "expert id too large",
-                     "negative expert id", "topk_ids k mismatch", "topk_weights k mismatch", "token count mismatch",
-                     "NaN weight", "infinite weight", "topk_weights missing", "topk_ids missing", "topk_ids int64"]
+                     "negative expert id", "NaN hidden state", "infinite hidden state", "topk_ids k mismatch",
+                     "topk_weights k mismatch", "token count mismatch", "NaN weight", "infinite weight",
+                     "topk_weights missing", "topk_ids missing", "topk_ids int64"]
 PROTOCOLS = {"http": (http_infer, "http_url", "400"), "grpc": (grpc_infer, "grpc_url", "StatusCode.INVALID_ARGUMENT")}
 
 

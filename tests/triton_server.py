@@ -1,6 +1,7 @@
 """A real tritonserver for the serving tests, started the way users start it (`python -m colibri
 serve`) on free ports, and always stopped."""
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -39,13 +40,32 @@ class Server:
         with urllib.request.urlopen(url, timeout=10) as reply:
             return reply.read().decode()
 
+    def model_stats(self, model: str = "colibri_moe"):
+        """(execution_count, inference_count) once settled: Triton records a request's statistics just
+        after it sends the response, so a read right after the last answer can miss it."""
+        def read():
+            stats = json.loads(self.get(f"http://{self.http_url}/v2/models/{model}/stats"))["model_stats"][0]
+            return int(stats["execution_count"]), int(stats["inference_count"])
+
+        previous = read()
+        while True:
+            time.sleep(0.2)
+            current = read()
+            if current == previous:
+                return current
+            previous = current
+
 
 @contextlib.contextmanager
-def serving(weights: Path, log_dir: Path, *serve_args, ports=None):
+def serving(weights: Path, log_dir: Path, *serve_args, ports=None, probes=False):
     """Yields a ready Server serving `weights` (on `ports`, else free ones); stops it on exit, whatever
-    happened inside."""
+    happened inside. The launcher's watchdog restarts a server that exits; its liveness probes (a
+    one-token request every 5 s) only with `probes`, as they would show in the statistics and
+    metrics that tests count exactly."""
     from colibri import serve
     http_port, grpc_port, metrics_port = ports or serve.free_ports(3)
+    if not probes:
+        serve_args = ("--probe-interval", "0", *serve_args)
     server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
     with open(server.log_path, "w") as log:
         launcher = subprocess.Popen(
@@ -61,6 +81,8 @@ def serving(weights: Path, log_dir: Path, *serve_args, ports=None):
 
 
 def _wait_ready(launcher, server):
+    """Until the model is ready and the launcher has said so (from then on its watchdog restarts a
+    server that dies; before, a death is a failed start)."""
     deadline = time.monotonic() + START_TIMEOUT_S
     ready = f"http://{server.http_url}/v2/models/colibri_moe/ready"
     while time.monotonic() < deadline:
@@ -69,7 +91,8 @@ def _wait_ready(launcher, server):
                                f"{server.log_tail()}")
         try:
             with urllib.request.urlopen(ready, timeout=2) as reply:
-                if reply.status == 200:
+                if reply.status == 200 and "colibri serve: colibri_moe ready" in server.log_path.read_text(
+                        errors="replace"):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass

@@ -6,7 +6,7 @@
 from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUMENT, STATUS_OK,
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
 from colibri.dlpack import Tensor
-from colibri.layer import LayerConfig, MoELayer
+from colibri.layer import LayerConfig, MoELayer, nonfinite_rows
 
 __version__ = ffi.string(lib.colibri_version()).decode()
 
@@ -20,6 +20,6 @@ def cuda_device_count() -> int:
     return int(lib.colibri_cuda_device_count())
 
 
-__all__ = ["ColibriError", "LayerConfig", "MoELayer", "Tensor", "cuda_built", "cuda_device_count",
+__all__ = ["ColibriError", "LayerConfig", "MoELayer", "Tensor", "cuda_built", "cuda_device_count", "nonfinite_rows",
            "STATUS_OK", "STATUS_INVALID_ARGUMENT", "STATUS_OUT_OF_MEMORY", "STATUS_UNSUPPORTED", "STATUS_CUDA",
            "STATUS_ROUTING", "STATUS_INTERNAL"]

@@ -1,4 +1,4 @@
-"""python -m colibri {pack,demo,serve,bench,info}"""
+"""python -m colibri {pack,demo,serve,bench,info,probe,watch}"""
 import argparse
 import importlib
 import sys
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="serve with tritonserver (options: python -m colibri serve --help)")
     sub.add_parser("bench", help="benchmarks (options: python -m colibri bench --help)")
+    sub.add_parser("probe", help="liveness: one real one-token request (options: python -m colibri probe --help)")
+    sub.add_parser("watch", help="run a server command and restart it when it dies or stops answering "
+                                 "(python -m colibri watch --help)")
 
     pack = sub.add_parser("pack", help="convert one MoE layer of a Hugging Face safetensors checkpoint")
     pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
@@ -85,6 +88,9 @@ def main(argv=None) -> int:
         return 2
     if argv and argv[0] in ("serve", "bench"):
         return _delegate(argv[0], argv[1:])
+    if argv and argv[0] in ("probe", "watch"):
+        from colibri import watchdog
+        return (watchdog.main_probe if argv[0] == "probe" else watchdog.main_watch)(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "pack":

@@ -377,7 +377,13 @@ def stream_handle(stream) -> int:
     return int(stream)
 
 
-def device_array(view: View):
-    """The View's GPU memory as a cupy array (torch tensor if no cupy), borrowed, for checks."""
-    library = sys.modules[view.kind] if view.kind in ("torch", "cupy") else _cuda_library()
-    return library.from_dlpack(Tensor(view, view.ptr, view.shape, view.dtype, view.device_type, view.device_id))
+def device_library(view: View):
+    """The array library a GPU View is worked on with: its own (torch, cupy), else cupy or torch."""
+    return sys.modules[view.kind] if view.kind in ("torch", "cupy") else _cuda_library()
+
+
+def device_array(view: View, dtype: str = None):
+    """The View's GPU memory as an array of device_library(view), borrowed, for checks; with
+    `dtype`, its bytes read as that dtype (of the same width)."""
+    return device_library(view).from_dlpack(
+        Tensor(view, view.ptr, view.shape, dtype or view.dtype, view.device_type, view.device_id))

@@ -3,6 +3,7 @@
 Every input is checked here once, before the call, with messages naming the input and what is wrong;
 then one colibri_moe_forward runs on the caller's memory (no copies on the way in or out) and the
 output comes back as the same kind of array as the input (see colibri.dlpack)."""
+import contextlib
 import dataclasses
 import math
 import sys
@@ -171,7 +172,7 @@ class MoELayer:
 
     # -----------------------------------------------------------------------------------------------
 
-    def forward(self, hidden_states, topk_ids=None, topk_weights=None, stream=None, out=None):
+    def forward(self, hidden_states, topk_ids=None, topk_weights=None, stream=None, out=None, check_finite=False):
         """output [T, out_features] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden_states[t]).
 
         hidden_states [T, H] fp32 | fp16 | bf16 and the optional routing topk_ids [T, k] int32 (int64 is
@@ -181,11 +182,20 @@ class MoELayer:
         and kind (numpy -> numpy, torch -> torch, cupy -> cupy; capsules, other producers and bf16
         numpy-kind -> colibri.Tensor), or is written into `out` if given. On CUDA the work is
         enqueued on `stream` (int, cupy or torch stream; default: the input library's current
-        stream) and not waited for."""
+        stream) and not waited for.
+
+        NaN or Inf in hidden_states is computed (it reaches only its own token's output) unless
+        check_finite: then it is refused, naming the first row that holds one. On CUDA that check
+        waits for the GPU (one synchronisation), so a forward with it cannot be captured in a CUDA
+        graph; a server checking a batch of requests at once uses nonfinite_rows() instead."""
         views = []
         try:
             x, stream_ptr = self._take_hidden(hidden_states, stream, views)
             T = x.shape[0]
+            if check_finite:
+                row = _first_nonfinite_rows([x], stream_ptr)[0]
+                if row is not None:
+                    raise invalid(f"hidden_states: not finite at row {row}")
             ids_ptr = weights_ptr = ffi.NULL
             if (topk_ids is None) != (topk_weights is None):
                 missing = "topk_weights" if topk_weights is None else "topk_ids"
@@ -315,6 +325,81 @@ class MoELayer:
         if view.shape != shape or view.dtype != dtype:
             raise invalid(f"{name}: expected shape {list(shape)} and dtype {dtype}, got {list(view.shape)} {view.dtype}")
         return out, view.ptr
+
+
+# Float dtypes as the signed integers of their width, and their exponent bits: all set is Inf or NaN.
+# Reading the bits serves every library alike, bf16 included (which numpy and cupy cannot hold).
+_EXPONENT_BITS = {"fp32": ("int32", 0x7F800000), "fp16": ("int16", 0x7C00), "bf16": ("int16", 0x7F80),
+                  "fp64": ("int64", 0x7FF0000000000000)}
+
+
+def nonfinite_rows(arrays, name="hidden_states"):
+    """For each float array [T, ...] of `arrays` (numpy, torch, cupy, colibri.Tensor, any DLPack
+    producer or capsule; capsules are consumed), the index of its first row holding a NaN or an Inf,
+    or None when it has none (and for None, non-float and row-less arrays, left to the layer's own
+    checks). Arrays on a GPU are checked there with their own library and their answers come to the
+    host in one copy per library and device: for a batch of requests, one synchronisation in all."""
+    views = []
+    try:
+        for array in arrays:
+            views.append(None if array is None else dlpack.take(name, array))
+        return _first_nonfinite_rows(views)
+    finally:
+        for view in views:
+            if view is not None:
+                view.release()
+
+
+def _first_nonfinite_rows(views, stream_ptr=0):
+    """nonfinite_rows() of dlpack Views (None allowed); on a GPU on stream_ptr (0: the library's current)."""
+    rows = [None] * len(views)
+    on_device = {}  # (library name, device id) -> [(index, per-row mask on the device)]
+    for index, view in enumerate(views):
+        if view is None or view.dtype not in _EXPONENT_BITS or not view.shape or view.size == 0:
+            continue
+        bits_dtype, exponent = _EXPONENT_BITS[view.dtype]
+        if view.on_host:
+            mask = _nonfinite_per_row(view.host_array().view(np.dtype(bits_dtype)), exponent)
+            rows[index] = _first_true(mask)
+        else:
+            library = dlpack.device_library(view)
+            with _on_stream(library, stream_ptr, view.device_id):
+                mask = _nonfinite_per_row(dlpack.device_array(view, bits_dtype), exponent)
+            on_device.setdefault((library.__name__, view.device_id), []).append((index, mask))
+    for (library_name, device_id), masks in on_device.items():
+        library = sys.modules[library_name]
+        parts = [mask for _, mask in masks]
+        with _on_stream(library, stream_ptr, device_id):
+            if len(parts) > 1:
+                parts = [library.cat(parts) if library_name == "torch" else library.concatenate(parts)]
+            host = _device_to_host(parts[0])  # the one synchronisation
+        start = 0
+        for index, mask in masks:
+            rows[index] = _first_true(host[start:start + len(mask)])
+            start += len(mask)
+    return rows
+
+
+def _nonfinite_per_row(bits, exponent):
+    """[T] bool: rows of `bits` (a float array read as integers) holding an Inf or a NaN."""
+    return ((bits & exponent) == exponent).reshape(bits.shape[0], -1).any(1)
+
+
+def _first_true(mask: np.ndarray):
+    return int(mask.argmax()) if mask.any() else None
+
+
+def _on_stream(library, stream_ptr, device_id):
+    """Work of `library` enqueued on stream_ptr (0: its current stream), on device_id."""
+    if library.__name__ == "torch":
+        if not stream_ptr:
+            return contextlib.nullcontext()
+        return library.cuda.stream(library.cuda.ExternalStream(stream_ptr, device=library.device("cuda", device_id)))
+    stack = contextlib.ExitStack()
+    stack.enter_context(library.cuda.Device(device_id))
+    if stream_ptr:
+        stack.enter_context(library.cuda.ExternalStream(stream_ptr))
+    return stack
 
 
 class _Holder:

@@ -13,6 +13,10 @@ The stub embeds libpython in isolated mode (PYTHONPATH ignored) and takes its sy
 first `python3` on PATH. RUN/python's bin goes first on PATH, and a .pth file there adds this
 interpreter's PYTHONPATH entries, colibri's folder and site-packages, so model.py imports the same
 packages (numpy<2, cffi, colibri) as the launcher, from a venv, a --target folder or a checkout.
+
+The launcher owns the tritonserver process and keeps it alive (colibri.watchdog): it restarts it, on
+the same ports, when it exits unbidden or when --probe-failures one-token probes in a row fail while
+it runs (a Python-backend stub that died, which tritonserver 2.51 never restarts).
 """
 
 import argparse
@@ -32,6 +36,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from colibri import watchdog
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
@@ -224,6 +230,7 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=sorted(TRITON_DTYPES), default="fp32",
                         help="dtype of hidden_states and output on the wire")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    watchdog.add_probe_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -253,24 +260,30 @@ def main(argv=None) -> int:
 
 
 def run_server(command, env, args, weights) -> int:
-    # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
-    server = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    url = f"http://{args.host}:{args.http_port}"
 
-    def forward(signum, _frame):
-        server.send_signal(signum)
+    def launch():
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
+        return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
 
+    def wait_ready(server):
+        wait_until_ready(server, f"{url}/v2/health/ready", args.ready_timeout, server_id=args.server_id)
+
+    guard = watchdog.watchdog_from_args(launch, wait_ready, url, MODEL_NAME, args)
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, forward)
-    try:
-        wait_until_ready(server, f"http://{args.host}:{args.http_port}/v2/health/ready", args.ready_timeout,
-                         server_id=args.server_id)
-        print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
-              f"  HTTP    http://{args.host}:{args.http_port}/v2/models/{MODEL_NAME}/infer\n"
-              f"  gRPC    {args.host}:{args.grpc_port}\n"
-              f"  metrics http://{args.host}:{args.metrics_port}/metrics\n"
-              f"  stop with Ctrl-C (or SIGTERM to pid {os.getpid()})", flush=True)
-    except ServeError:
-        server.terminate()
-        server.wait()
-        raise
-    return server.wait()
+        signal.signal(signum, guard.forward_signal)
+    guard.start()
+    print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
+          f"  HTTP    {url}/v2/models/{MODEL_NAME}/infer\n"
+          f"  gRPC    {args.host}:{args.grpc_port}\n"
+          f"  metrics http://{args.host}:{args.metrics_port}/metrics\n"
+          f"  watchdog: {guard_summary(args)}\n"
+          f"  stop with Ctrl-C (or SIGTERM to pid {os.getpid()})", flush=True)
+    return guard.watch()
+
+
+def guard_summary(args) -> str:
+    if args.probe_interval <= 0:
+        return "restarts tritonserver if it exits (no liveness probes)"
+    return (f"a one-token probe every {args.probe_interval:g} s; {args.probe_failures} failures in a row (or an "
+            "exit) restart tritonserver")

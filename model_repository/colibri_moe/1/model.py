@@ -3,7 +3,9 @@
 Requests whose inputs have the same feature shapes are joined along the token axis and computed in
 one forward; the layer checks every input (shape, expert ids in range, finite weights, ids and
 weights together) before it computes anything. If a joined forward is refused as invalid, each of
-its requests is run alone, so only the bad ones get an INVALID_ARG error naming the input.
+its requests is run alone, so only the bad ones get an INVALID_ARG error naming the input. Hidden
+states holding a NaN or an Inf are refused before joining, the rows of all requests checked at once
+(on a GPU: one synchronisation per batch), with the row within the request.
 Tensors move through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
 """
 import json
@@ -24,6 +26,11 @@ FORWARD_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
 
 class HostBatch:
     """Joins requests on the host with numpy; results stay colibri.Tensor (bf16 included)."""
+
+    @staticmethod
+    def arrays(tensors):
+        """The tensors (None stays None) as DLPack capsules, one use each, for checks."""
+        return [None if t is None else t.to_dlpack() for t in tensors]
 
     def join(self, tensors):
         if len(tensors) == 1:
@@ -51,12 +58,16 @@ class DeviceBatch:
         self.device = torch.device("cuda", device_id)
         self.arrivals = set()  # where inputs came from, logged the first time each is seen
 
+    def arrays(self, tensors):
+        """The tensors (None stays None) as torch tensors where they are (host or GPU), without copying."""
+        return [None if t is None else self.torch.utils.dlpack.from_dlpack(t.to_dlpack()) for t in tensors]
+
     def join(self, tensors):
         where = "GPU memory (zero-copy)" if not tensors[0].is_cpu() else "host memory (copied to the GPU)"
         if where not in self.arrivals:
             self.arrivals.add(where)
             pb_utils.Logger.log_info(f"colibri_moe: first request whose inputs arrived in {where}")
-        parts = [self.torch.utils.dlpack.from_dlpack(t.to_dlpack()).to(self.device) for t in tensors]
+        parts = [part.to(self.device) for part in self.arrays(tensors)]
         return parts[0] if len(parts) == 1 else self.torch.cat(parts)
 
     @staticmethod
@@ -101,14 +112,15 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = [None] * len(requests)
+        members = [(index, [pb_utils.get_input_tensor_by_name(request, name) for name in INPUTS])
+                   for index, request in enumerate(requests)]
         groups = {}
-        for index, request in enumerate(requests):
-            inputs = [pb_utils.get_input_tensor_by_name(request, name) for name in INPUTS]
+        for index, inputs in self._refuse_nonfinite(members, responses):
             key = tuple(None if t is None else tuple(t.shape()[1:]) for t in inputs)
             groups.setdefault(key, []).append((index, inputs))
         start = time.perf_counter()
-        for members in groups.values():
-            self._run(members, responses)
+        for group in groups.values():
+            self._run(group, responses)
         try:
             counts = self.layer.expert_counts(reset=True)  # on a GPU this waits for the forwards
             if self.forward_seconds is not None:
@@ -119,6 +131,19 @@ class TritonPythonModel:
         except Exception as exc:  # the answers are ready: a metrics failure must not fail them
             pb_utils.Logger.log_error(f"colibri_moe: metrics not updated: {type(exc).__name__}: {exc}")
         return responses
+
+    def _refuse_nonfinite(self, members, responses):
+        """The members whose hidden states are all finite; the others are answered INVALID_ARG."""
+        try:
+            bad_rows = colibri.nonfinite_rows(self.batch.arrays([inputs[0] for _, inputs in members]))
+        except Exception as exc:  # execute must not raise
+            self._fail(members, responses, f"hidden_states: finiteness check failed: {type(exc).__name__}: {exc}",
+                       "INTERNAL")
+            return []
+        for member, row in zip(members, bad_rows):
+            if row is not None:
+                self._fail([member], responses, f"hidden_states: not finite at row {row}", "INVALID_ARG")
+        return [member for member, row in zip(members, bad_rows) if row is None]
 
     def _run(self, members, responses):
         """One forward for the members' tokens; an answer for each member in responses."""

@@ -1,0 +1,70 @@
+"""A stand-in for triton_python_backend_utils, enough to run model.py's initialize and execute in
+this process: a request is a dict of input name -> Tensor over any DLPack array (numpy; torch on a
+GPU, as CUDA shared memory hands them to the model), so one call to execute is one exact batch."""
+import importlib.util
+import json
+import sys
+
+from triton_server import REPO_ROOT
+
+MODEL_PY = REPO_ROOT / "model_repository" / "colibri_moe" / "1" / "model.py"
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self.array = name, array
+
+    def name(self):
+        return self._name
+
+    def shape(self):
+        return list(self.array.shape)
+
+    def to_dlpack(self):
+        return self.array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name, array):
+        return Tensor(name, array)
+
+
+class TritonError:
+    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
+
+    def __init__(self, message, code=INTERNAL):
+        self.message, self.code = message, code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=None, error=None):
+        self.output_tensors, self.error = output_tensors or [], error
+
+
+class Logger:
+    @staticmethod
+    def log_info(message):
+        pass
+
+    log_error = log_info
+
+
+def get_input_tensor_by_name(request, name):
+    return request.get(name)
+
+
+def load_model(monkeypatch, weights, kind="CPU", device_id=0):
+    """model.py's TritonPythonModel, initialized on weights for an instance of kind (CPU | GPU)."""
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", sys.modules[__name__])
+    monkeypatch.setenv("COLIBRI_WEIGHTS", str(weights))
+    spec = importlib.util.spec_from_file_location("colibri_moe_model_under_test", MODEL_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.TritonPythonModel()
+    model.initialize({"model_config": json.dumps({}), "model_instance_kind": kind,
+                      "model_instance_device_id": str(device_id), "model_repository": str(weights.parent),
+                      "model_version": "1", "model_name": "colibri_moe"})
+    return model
+
+
+def request(**arrays):
+    return {name: Tensor(name, array) for name, array in arrays.items()}

@@ -1,0 +1,82 @@
+"""model.py's execute in this process, on exact batches (tests/fake_backend.py stands in for Triton's
+Python backend): requests whose hidden states hold a NaN or an Inf are refused one by one, naming the
+row within the request, and the others of the same batch are computed together, exactly as alone.
+The same on a GPU instance with GPU tensors (as CUDA shared memory gives them) is in test_cuda.py."""
+import numpy as np
+import pytest
+
+import colibri
+from colibri import checkpoint
+from colibri.testing import relative_error
+from fake_backend import load_model, request
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("weights") / "model_py.colibri.safetensors"
+    checkpoint.write_demo(path, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=3)
+    return path
+
+
+def mixed_batch(rng, layer, T_max=9):
+    """Requests (router-routed and explicitly routed), every third with a NaN or an Inf in one or two
+    random rows: [(request arrays, first bad row or None)]."""
+    E, k, H = layer.config.num_experts, layer.config.top_k, layer.config.hidden_size
+    batch = []
+    for n in range(12):
+        T = int(rng.integers(1, T_max + 1))
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        bad = sorted(int(r) for r in rng.choice(T, size=int(rng.integers(1, min(T, 2) + 1)), replace=False)) \
+            if n % 3 == 0 else []
+        for row in bad:
+            x[row, rng.integers(H)] = rng.choice([np.nan, np.inf, -np.inf])
+        arrays = {"hidden_states": x}
+        if n % 2:
+            arrays["topk_ids"] = np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int32)
+            arrays["topk_weights"] = rng.uniform(0.1, 1, (T, k)).astype(np.float32)
+        batch.append((arrays, bad[0] if bad else None))
+    return batch
+
+
+def to_numpy(array):
+    """numpy, colibri.Tensor or torch (on a GPU too) -> numpy."""
+    if hasattr(array, "cpu"):
+        return array.cpu().numpy()
+    return array.numpy() if isinstance(array, colibri.Tensor) else np.asarray(array)
+
+
+def check_answers(responses, batch, layer, limit=0.0):
+    """Each good request's answer as `layer` computes it alone (bitwise with limit 0, else within
+    that relative error); each bad one refused naming its first bad row."""
+    for response, (arrays, bad_row) in zip(responses, batch):
+        if bad_row is None:
+            assert response.error is None, response.error.message
+            alone = layer.forward(*[arrays.get(name) for name in ("hidden_states", "topk_ids", "topk_weights")])
+            out, alone = to_numpy(response.output_tensors[0].array), to_numpy(alone)
+            if limit:
+                assert relative_error(out, alone.astype(np.float64)) <= limit
+            else:
+                np.testing.assert_array_equal(out, alone)
+        else:
+            assert response.error is not None and not response.output_tensors
+            assert response.error.code == "INVALID_ARG"
+            assert response.error.message == f"hidden_states: not finite at row {bad_row}"
+
+
+def test_nonfinite_requests_refused_alone_in_their_batch(weights, monkeypatch, rng):
+    model = load_model(monkeypatch, weights)
+    layer = colibri.MoELayer.from_file(weights)
+    forwards = []
+    forward = model.layer.forward
+    monkeypatch.setattr(model.layer, "forward", lambda x, *rest: forwards.append(x.shape[0]) or forward(x, *rest))
+    for _ in range(5):
+        batch = mixed_batch(rng, layer)
+        assert any(bad is not None for _, bad in batch) and any(bad is None for _, bad in batch)
+        forwards.clear()
+        responses = model.execute([request(**arrays) for arrays, _ in batch])
+        check_answers(responses, batch, layer)
+        # One forward per routing kind, of exactly the good requests' tokens.
+        good = [arrays for arrays, bad in batch if bad is None]
+        assert sorted(forwards) == sorted(n for n in (
+            sum(a["hidden_states"].shape[0] for a in good if "topk_ids" not in a),
+            sum(a["hidden_states"].shape[0] for a in good if "topk_ids" in a)) if n)
