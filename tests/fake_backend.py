@@ -23,6 +23,9 @@ class Tensor:
     def to_dlpack(self):
         return self.array.__dlpack__()
 
+    def is_cpu(self):
+        return self.array.__dlpack_device__()[0] == 1  # kDLCPU
+
     @staticmethod
     def from_dlpack(name, array):
         return Tensor(name, array)
