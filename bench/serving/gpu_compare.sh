@@ -1,22 +1,30 @@
 #!/bin/bash
 # bench/serving/compare.py on a GPU node that reaches no registry (the H200: python3 3.12 with torch,
-# nvcc, make). Carry `.whl`, filled here by client/gpu_wheels.sh (colibri's binding, the tritonserver
-# bundle) and bench/serving/wheels.sh (.whl/loadtest: Locust, gevent, tritonclient 2.53). Writes
-# build.log, compare.log, compare.json, compare.png, tritonserver.log and each run's Locust files to $OUT.
-#   usage, from the repository root: OUT=/some/dir bench/serving/gpu_compare.sh [compare.py options]
+# nvcc, make). Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz (bench/serving/wheels.sh
+# and client/gpu_wheels.sh make them here) and, to skip the build there, a library built here
+# (COLIBRI_LIB=build/libcolibri.so; else `make lib` runs there). Writes build.log, compare.log,
+# compare.json, compare.png, sweep.png, and runs.tgz (tritonserver.log and every Locust run) to $OUT.
+#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=...] bench/serving/gpu_compare.sh [compare.py options]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/serving-gpu}
 mkdir -p "$out"
 work=$(mktemp -d)
-# One version of each package (two stop the install): .whl/loadtest's tritonclient 2.53, protobuf 5
-# and python-rapidjson replace gpu_wheels.sh's.
-# shellcheck disable=SC2046
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
-  $(ls .whl/*.whl | grep -v -E '/(tritonclient|protobuf|python_rapidjson)-') .whl/loadtest/*.whl
-mkdir -p "$work/triton" && tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/site" "$work/triton"
+tar xJf .whl/site-py312.tar.xz -C "$work/site"
+tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
 # The bundle's pytriton/ (a namespace package there) is how `colibri serve` finds tritonserver.
 export PYTHONPATH="$work/site:$work/triton:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-make lib CUDA=1 CUDA_ARCH=90 > "$out/build.log" 2>&1
-python3 backend_src/colibri/_ffi_build.py --lib build/libcolibri.so >> "$out/build.log" 2>&1
-python3 bench/serving/compare.py --device gpu --out "$out" "$@" 2>&1 | tee "$out/compare.log"
+lib=${COLIBRI_LIB:-}
+if [ -z "$lib" ]; then
+  make lib CUDA=1 CUDA_ARCH=90 > "$out/build.log" 2>&1
+  lib=build/libcolibri.so
+fi
+python3 backend_src/colibri/_ffi_build.py --lib "$lib" >> "$out/build.log" 2>&1
+status=0
+python3 bench/serving/compare.py --device gpu --out "$out/runs" "$@" > "$out/compare.log" 2>&1 || status=$?
+cp "$out/runs/compare.json" "$out/runs/compare.png" "$out/runs/sweep.png" "$out/" 2>/dev/null || true
+tar czf "$out/runs.tgz" -C "$out" runs && rm -rf "$out/runs"
+grep -v "^  " "$out/compare.log" | tail -60
+exit $status

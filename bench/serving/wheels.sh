@@ -18,3 +18,20 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   bidict==0.24.1 simple-websocket==1.1.0 wsproto==1.3.2 websocket-client==1.9.2 \
   tritonclient==2.53.0 protobuf==5.29.6 python-rapidjson==1.25
 du -sh .whl/loadtest
+# One installed site-packages for the GPU node (carry limits are tight): these wheels with
+# client/gpu_wheels.sh's cffi, pycparser, setuptools and cuda-python (the CUDA shared-memory users
+# need it), unpacked for CPython 3.12, without tritonclient's perf_analyzer binaries and the
+# bindings' C++ sources: about 10 MB as .whl/site-py312.tar.xz, against 65 MB of wheels.
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+# shellcheck disable=SC2046
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" --only-binary=:all: \
+  --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 \
+  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+  $(ls .whl/*.whl | grep -v -E '/(tritonclient|protobuf|python_rapidjson)-') .whl/loadtest/*.whl
+rm -rf "$site/bin"
+find "$site/cuda" \( -name '*.cpp' -o -name '*.pyx' -o -name '*.pxd' -o -name '*.h' \) -delete
+find "$site" -name tests -type d -prune -exec rm -rf {} +
+tar cJf .whl/site-py312.tar.xz -C "$site" .
+du -sh .whl/site-py312.tar.xz
