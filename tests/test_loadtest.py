@@ -112,7 +112,12 @@ def test_sweep_picks_the_highest_throughput_within_the_budget():
     result = compare.sweep_result("colibri_moe", summary, "prefill", 200.0)
     assert [lv["users"] for lv in result["levels"]] == [4, 8, 16, 32]
     assert result["levels"][1]["rps"] == pytest.approx(24.0) and result["levels"][1]["tokens_per_s"] == pytest.approx(18006.0)
-    assert result["best"]["users"] == 8 and result["best"]["p99_ms"] == 190.0
+    assert result["best"]["users"] == 8 and result["best"]["p99_ms"] == 190.0 and not result["lower_bound"]
     assert compare.sweep_result("torch_moe", summary, "prefill", 40.0)["best"] is None
     text = compare.sweep_table([result, {**compare.sweep_result("torch_moe", summary, "prefill", 60.0)}], "prefill", 200.0)
     assert "colibri/torch: 1.80x tokens/s" in text, text
+    # a sweep that never reached the budget says its best is only a lower bound
+    generous = compare.sweep_result("colibri_moe", {"by_users": summary["by_users"][:4]}, "prefill", 1000.0)
+    assert generous["best"]["users"] == 8 and generous["lower_bound"]
+    text = compare.sweep_table([generous, compare.sweep_result("torch_moe", summary, "prefill", 60.0)], "prefill", 1000.0)
+    assert "colibri/torch: at least 1.80x" in text and "lower bound" in text, text

@@ -157,7 +157,10 @@ def sweep_result(model, summary, profile, budget_ms) -> dict:
     levels = [levels[u] for u in sorted(levels)]
     within = [lv for lv in levels if lv["p99_ms"] is not None and lv["p99_ms"] <= budget_ms and not lv["failures"]]
     best = max(within, key=lambda lv: lv["tokens_per_s"], default=None)
-    return {"model": model, "levels": levels, "best": best}
+    # When even the top level kept within the budget, the sweep ended before the model's limit: its
+    # best is a lower bound of what it sustains.
+    capped = bool(levels) and best is levels[-1]
+    return {"model": model, "levels": levels, "best": best, "lower_bound": capped}
 
 
 def sweep_table(sweeps, profile, budget_ms) -> str:
@@ -172,10 +175,15 @@ def sweep_table(sweeps, profile, budget_ms) -> str:
             lines.append(f"{sw['model']:12} {lv['users']:5d} {lv['rps']:8.1f} {lv['tokens_per_s']:10.0f} {p50:>12} "
                          f"{p99:>12} {lv['failures']:5d}{mark}")
     best = {sw["model"]: sw["best"] for sw in sweeps}
+    bound = {sw["model"]: sw["lower_bound"] for sw in sweeps}
+    for model in [m for m in bound if bound[m]]:
+        lines.append(f"{model}: P99 stayed within budget up to the sweep's last level: its best is a lower bound")
     if best.get("colibri_moe") and best.get("torch_moe"):
         ours, theirs = best["colibri_moe"], best["torch_moe"]
-        lines.append(f"highest throughput within budget, colibri/torch: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x "
-                     f"tokens/s ({ours['rps'] / theirs['rps']:.2f}x requests/s)")
+        kind = ("at least " if bound["colibri_moe"] and not bound["torch_moe"] else
+                "(inconclusive: torch's is a lower bound) " if bound["torch_moe"] else "")
+        lines.append(f"highest throughput within budget, colibri/torch: {kind}"
+                     f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x tokens/s ({ours['rps'] / theirs['rps']:.2f}x requests/s)")
     else:
         for model, level in best.items():
             found = "no level within budget" if level is None else f"{level['tokens_per_s']:.0f} tokens/s"
