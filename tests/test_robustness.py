@@ -330,7 +330,9 @@ def m_rank(draw, request, oracle, rng):
 def m_expert_id(draw, request, oracle, rng):
     t = find(request, "topk_ids")
     flat = t.values.reshape(-1)
-    flat[some_element(draw, flat)] = draw(st.sampled_from([oracle.E, oracle.E + 1, -1, 2**31 - 1, -2**31]))
+    value = draw(st.sampled_from([oracle.E, oracle.E + 1, -1, 2**31 - 1, -2**31]))
+    # an earlier mutation may have narrowed the dtype (a request refused for that anyway): wrap explicitly
+    flat[some_element(draw, flat)] = np.array(value).astype(flat.dtype)
     return "an expert id out of range"
 
 
