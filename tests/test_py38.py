@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import fake_backend
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "backend_src" / "colibri"
 MODEL_PY = REPO / "model_repository" / "colibri_moe" / "1" / "model.py"
@@ -116,19 +118,7 @@ class _Backend2212:
     tensors, Logger (22.09), TritonError(message) with no error codes (23.09) and no MetricFamily
     (23.05)."""
 
-    class Tensor:
-        def __init__(self, name, array):
-            self._name, self.array = name, array
-
-        def name(self):
-            return self._name
-
-        def shape(self):
-            return list(self.array.shape)
-
-        def to_dlpack(self):
-            return self.array.__dlpack__()
-
+    class Tensor(fake_backend.Tensor):
         @staticmethod
         def from_dlpack(name, tensor):
             import numpy as np
