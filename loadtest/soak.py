@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="colibri-soak-") as tmp:
         weights = Path(tmp) / "soak.colibri.safetensors"
         checkpoint.write_demo(weights)
-        with serving(weights, args.out) as server:
+        with serving(weights, args.out, probes=True) as server:  # as `colibri serve` runs: probes on
             pids = server_pids(server.http_url.rsplit(":", 1)[1])
             samples, done = [], threading.Event()
 
