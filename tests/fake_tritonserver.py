@@ -1,7 +1,8 @@
 """A stand-in for tritonserver, for the watchdog's tests: serves colibri_moe's config and answers
 infer requests (binary extension) with the input as the output, on --http-port. While the file
 broken-<its pid> exists in its working directory it answers every infer as tritonserver 2.51 does
-with a dead Python-backend stub (HTTP 500), and its ready endpoint still says 200."""
+with a dead Python-backend stub (HTTP 500), and its ready endpoint still says 200. A file
+fail-next-start makes the next start exit 3 at once (and is removed): a start that fails."""
 import json
 import os
 import signal
@@ -45,6 +46,9 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def main():
+    if os.path.exists("fail-next-start"):
+        os.unlink("fail-next-start")
+        sys.exit(3)
     port = int(next(a for a in sys.argv if a.startswith("--http-port=")).split("=", 1)[1])
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

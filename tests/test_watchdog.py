@@ -106,6 +106,18 @@ def test_watch_restarts_a_server_that_exits(watched):
     assert f"tritonserver (pid {first}) exited with status -9 unbidden: restarting it" in watched.text()
 
 
+def test_watch_retries_a_restart_that_fails(watched):
+    """A restart whose server dies before it is ready (a crash during loading, or between answering
+    ready and the launcher noticing) is tried again, not the end of the service."""
+    first = watched.starts()[0]
+    (watched.folder / "fail-next-start").touch()
+    os.kill(first, signal.SIGKILL)
+    watched.wait_for(lambda: len(watched.starts()) == 2 and watched.alive(), "restarted after a failed restart")
+    text = watched.text()
+    assert "restart failed: " in text and "exited with status 3 unbidden: restarting it" in text, text
+    assert not (watched.folder / "fail-next-start").exists()
+
+
 def test_watch_stops_on_a_signal_without_restarting(watched):
     server = watched.starts()[0]
     assert watched.stop() == 0, watched.text()  # the fake exits 0 on SIGTERM; the watchdog returns that

@@ -220,8 +220,12 @@ class Watchdog:
             try:
                 self.start()
             except Exception as error:  # the launcher's own errors say what is wrong
+                if self.stopping:
+                    return self.server.wait()
+                # e.g. it died between answering ready and the launcher noticing: the next round sees
+                # it exited and starts it again, within the give-up bound
                 _log(f"restart failed: {error}")
-                return self.server.wait() if self.stopping else 2
+                continue
             self.restarts += 1
             if not self.stopping:
                 _log(f"tritonserver restarted (pid {self.server.pid}), ready {time.monotonic() - began:.1f} s "
