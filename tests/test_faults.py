@@ -202,18 +202,24 @@ def test_crashed_server_under_load_is_restarted_by_the_launcher(weights, tmp_pat
     layer = colibri.MoELayer.from_file(weights)
     with serving(weights, tmp_path) as server, Load(server.grpc_url, layer) as load:
         time.sleep(2)
-        triton, _ = server_processes(server)
+        triton, stubs = server_processes(server)
+        assert len(stubs) == 1, stubs
         fault = time.monotonic()
         os.kill(triton, signal.SIGKILL)
         recovery = load.wait_recovered(fault)
         summary = load.summary(fault)
         new_triton, _ = server_processes(server)
         log = server.log_path.read_text(errors="replace")
+        # the dead server's stub outlives it (reparented); the launcher must not leave it running
+        left = [pid for pid in stubs if Path(f"/proc/{pid}").exists() and b"Z" not in
+                Path(f"/proc/{pid}/stat").read_bytes().split(b") ", 1)[-1][:1]]
     print(f"\ntritonserver killed under load: right answers again after {recovery:.2f} s through the launcher; "
           f"{summary}")
     assert not load.wrong, load.wrong
     assert f"tritonserver (pid {triton}) exited with status -9 unbidden: restarting it" in log
     assert new_triton != triton
+    assert not left, f"the killed server's stub {left} still runs"
+    assert f"killed the Python-backend stub (pid {stubs[0]}) left by the server that died" in log
 
 
 @slow

@@ -235,8 +235,15 @@ class Watchdog:
         return probe(self.url, self.model, self.timeout)
 
     def _remove_regions(self) -> None:
-        """The Python backend's shared-memory regions of a server that died without removing them (a
-        killed tritonserver leaves them in /dev/shm, and restarts would fill it)."""
+        """What a server that died leaves behind: its Python-backend stubs, which outlive a killed
+        tritonserver (reparented, they keep running and, on a GPU, keep their CUDA context and a
+        copy of the weights), and its shared-memory regions in /dev/shm (restarts would fill it)."""
+        for pid in backend_stubs(self.regions):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                _log(f"killed the Python-backend stub (pid {pid}) left by the server that died")
+            except OSError:
+                pass  # gone meanwhile
         for path in self.regions:
             try:
                 os.unlink(path)
@@ -271,6 +278,31 @@ def backend_shared_memory(pid: int) -> list:
         if target.startswith(SHM_PREFIX) and target not in regions:
             regions.append(target)
     return regions
+
+
+def backend_stubs(regions) -> list:
+    """Pids of the Python-backend stubs serving through these shared-memory regions: each stub gets
+    its region's name on its command line (Linux /proc; none elsewhere). By region, not by parent,
+    so that a stub already reparented after its server died is found, and no other server's is."""
+    names = {os.path.basename(path) for path in regions}
+    stubs = []
+    if not names:
+        return stubs
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return stubs
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith("triton_python_backend_stub") and names.intersection(argv[1:]):
+            stubs.append(int(entry))
+    return stubs
 
 
 def add_probe_arguments(parser) -> None:
