@@ -7,6 +7,7 @@ fill in dims a config leaves empty, and refuse to change declared ones (even -1)
 known, Triton's model metadata and config tell clients H and k, and Triton refuses a request of the
 wrong width itself, naming the input. Only the checkpoint's header is read here.
 """
+import json
 import os
 
 from colibri import checkpoint
@@ -17,6 +18,11 @@ def weights_path(model_config: dict, version_dir: str) -> str:
     relative to the version folder (an absolute path replaces it)."""
     weights = os.environ.get("COLIBRI_WEIGHTS") or model_config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
     return os.path.join(version_dir, weights)
+
+
+def instance_weights_path(args: dict) -> str:
+    """weights_path for the model instance that Triton's `initialize(args)` describes."""
+    return weights_path(json.loads(args["model_config"]), os.path.join(args["model_repository"], args["model_version"]))
 
 
 def complete(auto_complete_model_config, version_dir: str):

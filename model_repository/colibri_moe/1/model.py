@@ -8,7 +8,6 @@ states holding a NaN or an Inf are refused before joining, the rows of all reque
 (on a GPU: one synchronisation per batch), with the row within the request.
 Tensors move through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
 """
-import json
 import os
 import time
 
@@ -82,8 +81,7 @@ class TritonPythonModel:
         return triton_config.complete(auto_complete_model_config, os.path.dirname(os.path.abspath(__file__)))
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        path = triton_config.weights_path(config, os.path.join(args["model_repository"], args["model_version"]))
+        path = triton_config.instance_weights_path(args)
         on_gpu = args["model_instance_kind"] == "GPU"
         device_id = int(args["model_instance_device_id"])
         self.layer = colibri.MoELayer.from_file(path, device="cuda" if on_gpu else "cpu", device_id=device_id)

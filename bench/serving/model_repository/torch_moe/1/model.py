@@ -7,7 +7,6 @@ checkpoint's weight dtype (as a model loaded in bf16 does), routing in fp32 with
 semantics (colibri.h; colibri.reference). Requests of a batch are joined along the token axis and
 computed in one forward, as colibri_moe does; a request with bad inputs gets its own INVALID_ARG.
 """
-import json
 import os
 
 import numpy as np
@@ -105,8 +104,7 @@ class TritonPythonModel:
         return triton_config.complete(auto_complete_model_config, os.path.dirname(os.path.abspath(__file__)))
 
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        path = triton_config.weights_path(config, os.path.join(args["model_repository"], args["model_version"]))
+        path = triton_config.instance_weights_path(args)
         on_gpu = args["model_instance_kind"] == "GPU"
         device = torch.device("cuda", int(args["model_instance_device_id"])) if on_gpu else torch.device("cpu")
         self.layer = TorchMoE(path, device)
