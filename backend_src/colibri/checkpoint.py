@@ -139,17 +139,25 @@ DEMO_DEFAULTS = dict(experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf
                      routing="softmax_topk", kind="swiglu")
 
 
+def demo_config(experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf16", routing="softmax_topk",
+                kind="swiglu", renormalize=None, routed_scaling_factor=1.0) -> LayerConfig:
+    """The validated config of a demo checkpoint (with a router; renormalize defaults to True)."""
+    config = LayerConfig(expert_kind=kind, num_experts=experts, top_k=top_k, hidden_size=hidden,
+                         intermediate_size=intermediate, weight_dtype=dtype, routing=routing,
+                         renormalize=True if renormalize is None else renormalize,
+                         routed_scaling_factor=routed_scaling_factor, has_router=True)
+    config.validate()
+    return config
+
+
 def write_demo(path, experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf16", seed=0,
                routing="softmax_topk", kind="swiglu", renormalize=None, routed_scaling_factor=1.0) -> LayerConfig:
     """A synthetic checkpoint with a router. Weights ~ N(0, 1/fan_in) so activations stay O(1).
     bf16 by default: the dtype real MoE checkpoints ship in, and half the bytes a read-bound decode
     step streams, so the demo exercises the path real models take. renormalize defaults to True
     for softmax_topk and sigmoid_bias routing."""
-    config = LayerConfig(expert_kind=kind, num_experts=experts, top_k=top_k, hidden_size=hidden,
-                         intermediate_size=intermediate, weight_dtype=dtype, routing=routing,
-                         renormalize=True if renormalize is None else renormalize,
-                         routed_scaling_factor=routed_scaling_factor, has_router=True)
-    config.validate()
+    config = demo_config(experts, top_k, hidden, intermediate, dtype, routing, kind, renormalize,
+                         routed_scaling_factor)
     rng = np.random.default_rng(seed)
     H, F = hidden, intermediate
 

@@ -58,10 +58,7 @@ def write_demo(path: Path, E: int, k: int, H: int, F: int, dtype: str) -> None:
         checkpoint.write_demo(path, experts=E, top_k=k, hidden=H, intermediate=F, dtype=dtype)
         return
     import numpy as np
-    from colibri.layer import LayerConfig
-    config = LayerConfig(expert_kind="swiglu", num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
-                         weight_dtype="bf16", routing="softmax_topk", renormalize=True, routed_scaling_factor=1.0,
-                         has_router=True)
+    config = checkpoint.demo_config(experts=E, top_k=k, hidden=H, intermediate=F, dtype="bf16")
     generator = torch.Generator(device="cuda").manual_seed(0)
     packed = np.empty((E, 3 * F * H), np.uint16)
     for e in range(E):  # weights ~ N(0, 1/fan_in), as checkpoint.write_demo draws them
