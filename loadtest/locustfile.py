@@ -363,7 +363,7 @@ class CudaShmUser(GrpcUser):
     def output_shape(self, result):
         output = result.get_output("output")
         return (None, 0) if output is None else ([int(d) for d in output.shape],
-                                                 int(np.prod(output.shape)) * self.row_bytes // self.shape["hidden"])
+                                                 int(np.prod(output.shape)) * self.gpu_pool.element_size())
 
 
 if os.environ.get("LOADTEST_STEPS"):

@@ -116,13 +116,12 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
             # the level's length: from its first to its last answer, whatever the profile
             span = float(np.ptp(samples["end"][level])) if level.sum() > 1 else 0.0
             for group in groups:
-                mask = (level & ok & (samples["protocol"] == group["protocol"])
-                        & (samples["profile"] == group["profile"]))
+                in_group = level & (samples["protocol"] == group["protocol"]) & (samples["profile"] == group["profile"])
+                mask = in_group & ok
                 if mask.any():
                     summary["by_users"].append({
                         "users": int(count), "protocol": group["protocol"], "profile": group["profile"],
-                        "requests": int(mask.sum()), "failures": int((level & ~ok & (samples["protocol"] == group[
-                            "protocol"]) & (samples["profile"] == group["profile"])).sum()),
+                        "requests": int(mask.sum()), "failures": int((in_group & ~ok).sum()),
                         "seconds": span, "throughput_rps": float(mask.sum() / span) if span > 0 else None,
                         "tokens_per_s": float(samples["tokens"][mask].sum() / span) if span > 0 else None,
                         **percentiles(samples["latency_ms"][mask])})
