@@ -301,3 +301,31 @@ def test_half_precision_server_on_the_cpu(weights, tmp_path_factory, dtype):
     assert config["input"][0]["data_type"] == f"TYPE_{dtype.upper()}"
     # The dtype rewrite and the auto-completed dims live together.
     assert config["input"][0]["dims"] == [common.Layer(weights).config.hidden_size]
+
+
+def test_cuda_pool_option_per_visible_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert serve.cuda_pool_options(1024) == ["--cuda-memory-pool-byte-size=0:1073741824",
+                                             "--cuda-memory-pool-byte-size=1:1073741824"]
+    assert serve.cuda_pool_options(0) == []  # Triton's own default
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert serve.cuda_pool_options(64) == ["--cuda-memory-pool-byte-size=0:67108864"]  # harmless without GPU
+
+
+def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rng):
+    """bench/serving/compare.py's per-run server figures, against this real tritonserver."""
+    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+    host = f"http://{server.http_url}"
+    before = compare.model_stats(host, MODEL)
+    for tokens in (3, 5):
+        inputs, expected = good_request(layer, rng, tokens)
+        assert_close(grpc_infer(server.grpc_url, inputs), expected)
+    side = compare.server_side(before, compare.model_stats(host, MODEL))
+    assert side["requests"] == 2 and 1 <= side["executions"] <= 2, side
+    assert side["requests_per_execution"] == pytest.approx(2 / side["executions"])
+    assert side["compute_infer_ms"] > 0 and all(side[f"{s}_ms"] >= 0 for s in compare.STAGES), side
+    assert "inside tritonserver" in compare.server_table([{"run": "r", "model": MODEL, **side}])

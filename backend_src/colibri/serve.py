@@ -46,6 +46,7 @@ DEFAULT_WEIGHTS_NAME = "weights.colibri.safetensors"
 
 # Activation dtypes the model can serve, as Triton names them in config.pbtxt.
 TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
+DEFAULT_CUDA_POOL_MB = 1024
 INSTANCE_KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 
@@ -215,6 +216,26 @@ def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float, serve
     raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s ({url})")
 
 
+def visible_gpu_count() -> int:
+    """GPUs tritonserver will number 0..n-1: CUDA_VISIBLE_DEVICES' entries where it is set, else the
+    /dev/nvidiaN device nodes (none on a host without GPU)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return len([d for d in Path("/dev").glob("nvidia[0-9]*") if d.name[6:].isdigit()])
+
+
+def cuda_pool_options(megabytes: int) -> list:
+    """--cuda-memory-pool-byte-size for every visible GPU. The Python backend hands GPU tensors between
+    the stub and tritonserver through this pool; Triton's default of 64 MB holds about one 4096-token
+    fp32 batch of a 4096-wide layer, and when it is full every output falls back to a CUDA IPC handle
+    opened per tensor (the log says "will use CUDA IPC for GPU output transfer")."""
+    if megabytes <= 0:
+        return []
+    size = megabytes << 20
+    return [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu in range(max(1, visible_gpu_count()))]
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m colibri serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address the three endpoints bind to")
@@ -230,6 +251,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", choices=sorted(TRITON_DTYPES), default="fp32",
                         help="dtype of hidden_states and output on the wire")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
+    parser.add_argument("--cuda-memory-pool-mb", type=int, default=DEFAULT_CUDA_POOL_MB,
+                        help="per-GPU CUDA memory pool through which the Python backend passes GPU tensors "
+                             "(0: Triton's default of 64 MB; ignored without GPU)")
     watchdog.add_probe_arguments(parser)
     return parser.parse_args(argv)
 
@@ -252,7 +276,7 @@ def main(argv=None) -> int:
                 "--http-address", args.host, "--http-port", str(args.http_port),
                 "--grpc-address", args.host, "--grpc-port", str(args.grpc_port),
                 "--metrics-address", args.host, "--metrics-port", str(args.metrics_port),
-            ]
+            ] + cuda_pool_options(args.cuda_memory_pool_mb)
             return run_server(command, server_environment(weights, stub_python(run_dir)), args, weights)
     except ServeError as exc:
         print(f"colibri serve: {exc}", file=sys.stderr)

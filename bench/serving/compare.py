@@ -20,7 +20,8 @@ offered more), `auto:F` (per mix and protocol, torch_moe first runs closed-loop,
 gets the same fixed offered load, F times the throughput torch_moe reached: a load it sustains), or a
 number of requests per second in all. --sweep: per model, one closed-loop run stepping through those
 user counts (--step-time s each) with --sweep-mix over --sweep-protocol, and the highest throughput
-(requests/s and tokens/s) at which the --budget-profile P99 stays within --budget-ms.
+(requests/s and tokens/s) at which the --budget-profile P99 stays within --budget-ms; identity's
+levels show what the transport alone sustains.
 
 Needs torch in the server's Python (pip install -c constraints.txt torch) and the venv's locust.
 On a GPU node with no registry access: see bench/serving/README.md for what to carry.
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,13 +91,14 @@ def build_repository(root: Path, device: str, dtype: str) -> Path:
 class Server:
     """`python -m colibri serve` on the repository, on free ports, stopped on exit."""
 
-    def __init__(self, repository, weights, device, dtype, log_path):
+    def __init__(self, repository, weights, device, dtype, log_path, cuda_pool_mb=serve.DEFAULT_CUDA_POOL_MB):
         self.http_port, self.grpc_port, metrics_port = serve.free_ports(3)
         self.log = open(log_path, "w")
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--model-repository", str(repository), "--weights", str(weights),
              "--device", device, "--dtype", dtype, "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--metrics-port", str(metrics_port)],
+             "--grpc-port", str(self.grpc_port), "--metrics-port", str(metrics_port),
+             "--cuda-memory-pool-mb", str(cuda_pool_mb)],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         self.host = f"http://127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
@@ -137,6 +140,41 @@ def compare(runs):
             "identity_share_of_colibri_p99": empty and empty["p99_ms"] / ours["p99_ms"],
         })
     return rows
+
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def model_stats(host: str, model: str) -> dict:
+    """tritonserver's cumulative statistics of one model (the statistics extension)."""
+    with urllib.request.urlopen(f"{host}/v2/models/{model}/stats", timeout=10) as reply:
+        stats = json.load(reply)["model_stats"][0]
+    stages = stats["inference_stats"]
+    # inference_count counts batch rows (tokens here); a request is one success
+    counts = {"requests": int(stages["success"]["count"]), "executions": int(stats["execution_count"])}
+    return {**counts, **{stage: int(stages[stage]["ns"]) for stage in STAGES}}
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """What the server did between two snapshots: requests per execution (the dynamic batches' size)
+    and, per request, the mean time in each stage. An execution's compute time counts once for each
+    request it holds, so compute_infer is the time of the batch a request ran in."""
+    n = after["requests"] - before["requests"]
+    runs = after["executions"] - before["executions"]
+    out = {"requests": n, "executions": runs, "requests_per_execution": n / runs if runs else None}
+    for stage in STAGES:
+        out[f"{stage}_ms"] = (after[stage] - before[stage]) / n / 1e6 if n else None
+    return out
+
+
+def server_table(server_runs) -> str:
+    lines = ["inside tritonserver, per request (mean ms; compute_infer is its whole batch's time):",
+             f"{'run':44} {'req/exec':>8} {'queue':>8} {'input':>8} {'infer':>8} {'output':>8}"]
+    for r in server_runs:
+        cells = [f"{r[f'{stage}_ms']:8.2f}" if r[f"{stage}_ms"] is not None else f"{'-':>8}" for stage in STAGES]
+        per = "-" if r["requests_per_execution"] is None else f"{r['requests_per_execution']:.2f}"
+        lines.append(f"{r['run']:44} {per:>8} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 def sweep_result(model, summary, profile, budget_ms) -> dict:
@@ -281,6 +319,8 @@ def parse_args(argv):
     p.add_argument("--step-time", type=float, default=10.0, help="seconds per user count of the sweep")
     p.add_argument("--budget-ms", type=float, default=200.0, help="P99 budget of the sweep")
     p.add_argument("--budget-profile", default="prefill", choices=("prefill", "decode"))
+    p.add_argument("--cuda-memory-pool-mb", type=int, default=serve.DEFAULT_CUDA_POOL_MB,
+                   help="passed to colibri serve (0: Triton's default of 64 MB)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "serving")
     return p.parse_args(argv)
 
@@ -302,16 +342,19 @@ def main(argv=None) -> int:
         shape = (f"E={config.num_experts} k={config.top_k} H={config.hidden_size} F={config.intermediate_size} "
                  f"{config.weight_dtype} weights, {args.dtype} activations, device {args.device}")
         print(f"compare: {shape}; {args.users} users, {args.time} per run", flush=True)
-        runs, calibrations, sweeps = [], [], []
+        runs, calibrations, sweeps, server_runs = [], [], [], []
         with Server(build_repository(tmp, args.device, args.dtype), args.weights, args.device, args.dtype,
-                    args.out / "tritonserver.log") as server:
+                    args.out / "tritonserver.log", args.cuda_memory_pool_mb) as server:
             def load(folder, model, mix, protocol, rate=0.0, steps=""):
                 started = time.monotonic()
+                before = model_stats(server.host, model)
                 summary = loadtest.run_load(
                     args.out / folder, host=server.host, grpc_url=server.grpc_url, model=model, users=args.users,
                     run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
                     hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
                     step_time=args.step_time, quiet=True)
+                summary["server"] = side = server_side(before, model_stats(server.host, model))
+                server_runs.append({"run": folder, "model": model, **side})
                 t = summary["total"]
                 print(f"  {folder}: {t['requests']} requests, {t['failures']} failed, P99 {t['p99_ms']:.2f} ms, "
                       f"{t['throughput_rps']:.1f} req/s ({time.monotonic() - started:.0f} s)", flush=True)
@@ -335,14 +378,16 @@ def main(argv=None) -> int:
                         for group in summary["groups"]:
                             runs.append({"mix": mix, "model": model, "offered_rps": total_rps or None, **group})
             if args.sweep:
-                for model in [m for m in models if m != "identity"]:
+                # identity too: its ceiling is what the transport alone sustains
+                for model in models:
                     summary = load(f"sweep-{args.sweep_mix}-{args.sweep_protocol}-{model}", model, args.sweep_mix,
                                    args.sweep_protocol, steps=args.sweep)
                     sweeps.append(sweep_result(model, summary, args.budget_profile, args.budget_ms))
     ratios = compare(runs)
     result = {"shape": shape, "weights": str(args.weights), "users": args.users, "time": args.time,
               "load": args.load, "prefill_tokens": args.prefill_tokens, "host_cpus": os.cpu_count(),
-              "calibrations": calibrations, "runs": runs, "ratios": ratios, "sweeps": sweeps}
+              "calibrations": calibrations, "runs": runs, "ratios": ratios, "sweeps": sweeps,
+              "server": server_runs}
     (args.out / "compare.json").write_text(json.dumps(result, indent=2) + "\n")
     load_text = {"closed": "closed loop"}.get(args.load, f"offered load {args.load}")
     if runs:
@@ -353,6 +398,8 @@ def main(argv=None) -> int:
                     f"users {args.sweep}, {args.step_time:g} s each; budget {args.budget_profile} P99 "
                     f"<= {args.budget_ms:g} ms", args.budget_ms)
         print(sweep_table(sweeps, args.budget_profile, args.budget_ms))
+    if server_runs:
+        print(server_table(server_runs))
     print(f"compare: {args.out}/compare.json" + (", compare.png" if runs else "") + (", sweep.png" if sweeps else ""))
     failed = sum(r["failures"] for r in runs) + sum(level["failures"] for sw in sweeps for level in sw["levels"])
     return 1 if failed else 0
