@@ -329,3 +329,11 @@ def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rn
     assert side["requests_per_execution"] == pytest.approx(2 / side["executions"])
     assert side["compute_infer_ms"] > 0 and all(side[f"{s}_ms"] >= 0 for s in compare.STAGES), side
     assert "inside tritonserver" in compare.server_table([{"run": "r", "model": MODEL, **side}])
+
+
+def test_launcher_sets_the_instance_count():
+    text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
+    assert re.findall(r"count:\s*(\d+)", serve.configure_model(text, "gpu", "fp32", 3)) == ["3"]
+    assert serve.parse_args(["--instances", "2"]).instances == 2
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--instances", "0"])

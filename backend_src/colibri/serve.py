@@ -87,8 +87,9 @@ def install_python_backend(server_root: Path, run_dir: Path) -> Path:
     return backend.parent
 
 
-def configure_model(config_text: str, device: str, dtype: str) -> str:
-    """config.pbtxt with the instance kind and the activation dtype (hidden_states, output) replaced."""
+def configure_model(config_text: str, device: str, dtype: str, instances: int = 1) -> str:
+    """config.pbtxt with the instance kind and count (per GPU, or in all on the CPU) and the activation
+    dtype (hidden_states, output) replaced."""
     def replace_once(pattern: str, replacement: str, text: str) -> str:
         text, count = re.subn(pattern, replacement, text, flags=re.S)
         if count != 1:
@@ -96,13 +97,14 @@ def configure_model(config_text: str, device: str, dtype: str) -> str:
         return text
 
     text = replace_once(r"kind:\s*KIND_\w+", f"kind: {INSTANCE_KINDS[device]}", config_text)
+    text = replace_once(r"count:\s*\d+", f"count: {instances}", text)
     for tensor in ("hidden_states", "output"):
         text = replace_once(rf'(name:\s*"{tensor}"\s*data_type:\s*)TYPE_\w+',
                             rf"\g<1>{TRITON_DTYPES[dtype]}", text)
     return text
 
 
-def stage_repository(repository: Path, run_dir: Path, device: str, dtype: str) -> Path:
+def stage_repository(repository: Path, run_dir: Path, device: str, dtype: str, instances: int = 1) -> Path:
     """A copy of the repository made of links, with colibri_moe's config rewritten."""
     staged = run_dir / "models"
     for model in sorted(p for p in repository.iterdir() if p.is_dir()):
@@ -110,7 +112,7 @@ def stage_repository(repository: Path, run_dir: Path, device: str, dtype: str) -
         target.mkdir(parents=True)
         for entry in model.iterdir():
             if model.name == MODEL_NAME and entry.name == "config.pbtxt":
-                (target / entry.name).write_text(configure_model(entry.read_text(), device, dtype))
+                (target / entry.name).write_text(configure_model(entry.read_text(), device, dtype, instances))
             else:
                 (target / entry.name).symlink_to(entry.resolve())
     if not (staged / MODEL_NAME / "config.pbtxt").exists():
@@ -236,6 +238,13 @@ def cuda_pool_options(megabytes: int) -> list:
     return [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu in range(max(1, visible_gpu_count()))]
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return value
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m colibri serve", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1", help="address the three endpoints bind to")
@@ -250,6 +259,9 @@ def parse_args(argv):
                         help="auto: one instance per GPU, or one CPU instance on a host without GPU")
     parser.add_argument("--dtype", choices=sorted(TRITON_DTYPES), default="fp32",
                         help="dtype of hidden_states and output on the wire")
+    parser.add_argument("--instances", type=positive_int, default=1,
+                        help="model instances per GPU (each a process with its own copy of the weights: one "
+                             "instance's host work overlaps another's GPU work), or in all on the CPU")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
     parser.add_argument("--cuda-memory-pool-mb", type=int, default=DEFAULT_CUDA_POOL_MB,
                         help="per-GPU CUDA memory pool through which the Python backend passes GPU tensors "
@@ -270,7 +282,7 @@ def main(argv=None) -> int:
             args.server_id = f"colibri-{secrets.token_hex(6)}"  # how wait_until_ready knows its server
             command = [
                 str(server_root / "bin" / "tritonserver"), "--id", args.server_id,
-                "--model-repository", str(stage_repository(repository, run_dir, args.device, args.dtype)),
+                "--model-repository", str(stage_repository(repository, run_dir, args.device, args.dtype, args.instances)),
                 "--backend-directory", str(install_python_backend(server_root, run_dir)),
                 "--model-control-mode", "none",
                 "--http-address", args.host, "--http-port", str(args.http_port),

@@ -71,7 +71,7 @@ def write_demo(path: Path, E: int, k: int, H: int, F: int, dtype: str) -> None:
     checkpoint.save(path, config, packed, router, None, {"source": "bench/serving/compare.py demo (torch, seed 0)"})
 
 
-def build_repository(root: Path, device: str, dtype: str) -> Path:
+def build_repository(root: Path, device: str, dtype: str, instances: int = 1) -> Path:
     """root/models: colibri_moe linked from the repository, torch_moe and identity with its config."""
     models = root / "models"
     models.mkdir()
@@ -83,7 +83,7 @@ def build_repository(root: Path, device: str, dtype: str) -> Path:
         renamed = config.replace(f'name: "{serve.MODEL_NAME}"', f'name: "{name}"', 1)
         if renamed == config:
             raise RuntimeError(f"{colibri}/config.pbtxt has no name: \"{serve.MODEL_NAME}\" line to rename")
-        (models / name / "config.pbtxt").write_text(serve.configure_model(renamed, device, dtype))
+        (models / name / "config.pbtxt").write_text(serve.configure_model(renamed, device, dtype, instances))
         (models / name / "1").symlink_to(BASELINES / name / "1")
     return models
 
@@ -91,14 +91,15 @@ def build_repository(root: Path, device: str, dtype: str) -> Path:
 class Server:
     """`python -m colibri serve` on the repository, on free ports, stopped on exit."""
 
-    def __init__(self, repository, weights, device, dtype, log_path, cuda_pool_mb=serve.DEFAULT_CUDA_POOL_MB):
-        self.http_port, self.grpc_port, metrics_port = serve.free_ports(3)
+    def __init__(self, repository, weights, device, dtype, log_path, cuda_pool_mb=serve.DEFAULT_CUDA_POOL_MB,
+                 instances=1):
+        self.http_port, self.grpc_port, self.metrics_port = serve.free_ports(3)
         self.log = open(log_path, "w")
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--model-repository", str(repository), "--weights", str(weights),
              "--device", device, "--dtype", dtype, "--http-port", str(self.http_port),
-             "--grpc-port", str(self.grpc_port), "--metrics-port", str(metrics_port),
-             "--cuda-memory-pool-mb", str(cuda_pool_mb)],
+             "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
+             "--cuda-memory-pool-mb", str(cuda_pool_mb), "--instances", str(instances)],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         self.host = f"http://127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
@@ -321,6 +322,7 @@ def parse_args(argv):
     p.add_argument("--budget-profile", default="prefill", choices=("prefill", "decode"))
     p.add_argument("--cuda-memory-pool-mb", type=int, default=serve.DEFAULT_CUDA_POOL_MB,
                    help="passed to colibri serve (0: Triton's default of 64 MB)")
+    p.add_argument("--instances", type=serve.positive_int, default=1, help="instances per GPU of every model")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "serving")
     return p.parse_args(argv)
 
@@ -343,8 +345,8 @@ def main(argv=None) -> int:
                  f"{config.weight_dtype} weights, {args.dtype} activations, device {args.device}")
         print(f"compare: {shape}; {args.users} users, {args.time} per run", flush=True)
         runs, calibrations, sweeps, server_runs = [], [], [], []
-        with Server(build_repository(tmp, args.device, args.dtype), args.weights, args.device, args.dtype,
-                    args.out / "tritonserver.log", args.cuda_memory_pool_mb) as server:
+        with Server(build_repository(tmp, args.device, args.dtype, args.instances), args.weights, args.device,
+                    args.dtype, args.out / "tritonserver.log", args.cuda_memory_pool_mb, args.instances) as server:
             def load(folder, model, mix, protocol, rate=0.0, steps=""):
                 started = time.monotonic()
                 before = model_stats(server.host, model)
@@ -383,6 +385,9 @@ def main(argv=None) -> int:
                     summary = load(f"sweep-{args.sweep_mix}-{args.sweep_protocol}-{model}", model, args.sweep_mix,
                                    args.sweep_protocol, steps=args.sweep)
                     sweeps.append(sweep_result(model, summary, args.budget_profile, args.budget_ms))
+            # colibri_forward_seconds and the expert counters, for the record
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
+                (args.out / "metrics.txt").write_bytes(reply.read())
     ratios = compare(runs)
     result = {"shape": shape, "weights": str(args.weights), "users": args.users, "time": args.time,
               "load": args.load, "prefill_tokens": args.prefill_tokens, "host_cpus": os.cpu_count(),
