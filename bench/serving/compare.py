@@ -143,6 +143,7 @@ def compare(runs):
     return rows
 
 
+COLORS = {"identity": "tab:gray", "torch_moe": "tab:red", "colibri_moe": "tab:blue"}
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
@@ -233,13 +234,12 @@ def plot_sweeps(sweeps, path: Path, title: str, budget_ms: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.6))
-    colors = {"torch_moe": "tab:red", "colibri_moe": "tab:blue"}
     for sw in sweeps:
         points = [(lv["tokens_per_s"], lv["p99_ms"], lv["users"]) for lv in sw["levels"] if lv["p99_ms"] is not None]
         if not points:
             continue
         x, y, users = zip(*points)
-        ax.plot(x, y, "o-", color=colors.get(sw["model"]), label=sw["model"])
+        ax.plot(x, y, "o-", color=COLORS.get(sw["model"]), label=sw["model"])
         for xi, yi, u in points:
             ax.annotate(str(u), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.axhline(budget_ms, color="k", linestyle="--", linewidth=1, label=f"budget {budget_ms:g} ms")
@@ -275,7 +275,6 @@ def plot(runs, path: Path, title: str) -> None:
 
     panels = sorted({(r["mix"], r["protocol"]) for r in runs})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
-    colors = {"identity": "tab:gray", "torch_moe": "tab:red", "colibri_moe": "tab:blue"}
     for ax, (mix, protocol) in zip(axes[0], panels):
         profiles = sorted({r["profile"] for r in runs if (r["mix"], r["protocol"]) == (mix, protocol)})
         width = 0.8 / len(MODELS)
@@ -286,7 +285,7 @@ def plot(runs, path: Path, title: str) -> None:
                 if r is None:
                     continue
                 x = p + (m - (len(MODELS) - 1) / 2) * width
-                ax.bar(x, r["p99_ms"], width, color=colors[model], label=model if p == 0 else None)
+                ax.bar(x, r["p99_ms"], width, color=COLORS[model], label=model if p == 0 else None)
                 ax.plot([x, x], [r["p50_ms"], r["p95_ms"]], "k_", markersize=8)
         ax.set_xticks(range(len(profiles)), profiles)
         ax.set(title=f"{mix}, {protocol}", ylabel="latency ms (bar P99; ticks P50, P95)", yscale="log")
