@@ -20,7 +20,7 @@
  * (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4.
  *
  * Epilogue (the tensor cores idle while it runs): each warp converts its 16 rows (SWIGLU: silu(gate) *
- * up), writes them with stmatrix into a staging buffer of 34 KB behind the
+ * up, silu through one tanh.approx), writes them with stmatrix into a staging buffer of 34 KB behind the
  * ring (227 KB in all) and hands each row to the bulk-copy engine (cp.async.bulk shared -> global, a row
  * per lane), so that no thread waits on scattered 4-byte global stores; a linear item's second 128
  * columns, which do not fit there, go through a ring slot that is free until the next item's first k
@@ -107,10 +107,18 @@ __device__ __forceinline__ void wg_bulk_store(void *dst, uint32_t src, uint32_t 
 }
 #endif
 
-/* silu with the hardware exp2 and a fast divide: the epilogue runs while the tensor cores idle, and
- * silu_f32's accurate expf and IEEE division cost about 30 instructions per element there (128 per
- * thread per item); their errors (a few ulp of fp32) vanish in the 16-bit output. */
-__device__ __forceinline__ float wg_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+/* silu(g) = g sigmoid(g) = h + h tanh(h), h = g / 2: one MUFU op per element where __expf and
+ * __fdividef take two, and the epilogue, during which the tensor cores idle, is bound by those units
+ * (64 silu per thread per item, 16 MUFU results per clock per SM). silu_f32's accurate expf and IEEE
+ * division were about 30 instructions per element. tanh.approx's error (2^-11 relative to tanh) makes
+ * at most |g| 2^-12 absolute: about fp16's rounding of silu(g) ~ g for g > 0, more than it relative to
+ * the small silu of a negative g; the harness's worst errors did not move (NOTES.md, v7). */
+__device__ __forceinline__ float wg_silu(float g) {
+    const float h = 0.5f * g;
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    return fmaf(h, t, h);
+}
 
 /* Work item `it` of a projection with `tiles` tiles and `nblocks` column blocks: items run in groups of
  * WG_GROUP_N column blocks, column block fastest inside a group, so that the ~one item per SM in flight
