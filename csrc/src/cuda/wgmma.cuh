@@ -18,6 +18,13 @@
  * the products that read it (wgmma.wait_group 1 leaves the newest group running). The grid is one
  * block per SM, each walking (tile, column block) items with the ring running on across them
  * (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4.
+ *
+ * Epilogue (the tensor cores idle while it runs): each warp converts its 16 rows (SWIGLU: silu(gate) *
+ * up, silu through one tanh.approx), writes them with stmatrix into a staging buffer of 34 KB behind the
+ * ring (227 KB in all) and hands each row to the bulk-copy engine (cp.async.bulk shared -> global, a row
+ * per lane), so that no thread waits on scattered 4-byte global stores; a linear item's second 128
+ * columns, which do not fit there, go through a ring slot that is free until the next item's first k
+ * step, with coalesced 16-byte stores. NOTES.md, v7.
  */
 
 #define WG_BM 128
@@ -28,8 +35,16 @@
 #define WG_A_BYTES (WG_BM * WG_BK * 2)
 #define WG_B_BYTES (WG_BN * WG_BK * 2)
 #define WG_STAGE_BYTES (WG_A_BYTES + WG_B_BYTES)
-/* + 1024: the dynamic shared memory is aligned up to the swizzle's 1024-byte period */
-#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + 1024)
+/* The output staging buffer behind the ring: per warp its 16 rows x 128 output columns of an item,
+ * each row padded by 16 bytes so that the 8 rows one stmatrix phase writes start in 8 different
+ * 16-byte bank groups (rows of 272 bytes: group r + c for row r, chunk c). */
+#define WG_OUT_COLS 128
+#define WG_OUT_ROW_BYTES (WG_OUT_COLS * 2 + 16)
+#define WG_OUT_WARP_BYTES (16 * WG_OUT_ROW_BYTES)
+#define WG_OUT_BYTES (WG_THREADS / 32 * WG_OUT_WARP_BYTES)
+/* + 1024: the dynamic shared memory is aligned up to the swizzle's 1024-byte period. 227 KB in all,
+ * the opt-in limit of an H100/H200 block. */
+#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_BYTES + WG_OUT_BYTES + 1024)
 
 /* Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle: start address >> 4,
  * leading offset 1 (unused for this layout), 1024 bytes between groups of 8 rows, swizzle mode 1. */
@@ -78,12 +93,32 @@ template <class T> __device__ __forceinline__ void wg_mma(float (&d)[128], uint6
     if constexpr (std::is_same<T, __half>::value) WG_MMA_M64N256K16("f16", d, da, db);
     else WG_MMA_M64N256K16("bf16", d, da, db);
 }
+
+/* Four 8x8 b16 matrices in the accumulator layout, lane l giving the address of row l % 8 of matrix l / 8. */
+__device__ __forceinline__ void wg_stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1),
+                 "r"(r2), "r"(r3)
+                 : "memory");
+}
+/* shared -> global copy of `bytes` (a multiple of 16) by the bulk-copy engine, in this thread's bulk group */
+__device__ __forceinline__ void wg_bulk_store(void *dst, uint32_t src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+                 : "memory");
+}
 #endif
 
-/* silu with the hardware exp2 and a fast divide: the epilogue runs while the tensor cores idle, and
- * silu_f32's accurate expf and IEEE division cost about 30 instructions per element there (128 per
- * thread per item); their errors (a few ulp of fp32) vanish in the 16-bit output. */
-__device__ __forceinline__ float wg_silu(float g) { return __fdividef(g, 1.0f + __expf(-g)); }
+/* silu(g) = g sigmoid(g) = h + h tanh(h), h = g / 2: one MUFU op per element where __expf and
+ * __fdividef take two, and the epilogue, during which the tensor cores idle, is bound by those units
+ * (64 silu per thread per item, 16 MUFU results per clock per SM). silu_f32's accurate expf and IEEE
+ * division were about 30 instructions per element. tanh.approx's error (2^-11 relative to tanh) makes
+ * at most |g| 2^-12 absolute: about fp16's rounding of silu(g) ~ g for g > 0, more than it relative to
+ * the small silu of a negative g; the harness's worst errors did not move (NOTES.md, v7). */
+__device__ __forceinline__ float wg_silu(float g) {
+    const float h = 0.5f * g;
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
+    return fmaf(h, t, h);
+}
 
 /* Work item `it` of a projection with `tiles` tiles and `nblocks` column blocks: items run in groups of
  * WG_GROUP_N column blocks, column block fastest inside a group, so that the ~one item per SM in flight
@@ -174,7 +209,7 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
     }
 
     T *out = reinterpret_cast<T *>(a.out);
-    const int lane = tid & 31, wrow = wg * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2);
+    const int lane = tid & 31;
     float acc[128];
     int stage = 0; /* ring position of the products' next stage */
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
@@ -201,28 +236,74 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 
         /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4
-         * (+8) and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8); SWIGLU's
-         * up column for gate column j is 128 columns, 64 registers, further on */
+         * (+8) and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8): the
+         * fragments of stmatrix. SWIGLU's up column for gate column j is 128 columns, 64 registers, further
+         * on. Each warp writes its 16 rows x 128 columns to its part of the staging buffer and the bulk-copy
+         * engine stores them, a row per lane, while the threads go on to the next item's products; the
+         * second 128 columns of a linear item (no room for them there) go through a ring slot that is free
+         * until the next item's first k steps, with 16-byte stores. */
         int ti, nb;
         wg_item(it, tiles, nblocks, ti, nb);
         const ExpertTile tile = a.tiles[ti];
+        const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
+        /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
+        const uint32_t lane_off = ((lane & 7) + (lane & 8)) * WG_OUT_ROW_BYTES + (lane >> 4) * 16;
+        auto stage_half = [&](uint32_t buf, int half) {
 #pragma unroll
-        for (int j = 0; j < COLS / 8; j++) {
-            const int col = nb * COLS + j * 8 + (lane & 3) * 2;
-            if (col >= a.n) continue;
+            for (int jj = 0; jj < WG_OUT_COLS / 16; jj++) {
+                uint32_t r[4];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int p = tile.begin + wrow + h * 8;
-                if (p >= tile.end) continue;
-                float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-                if (GLU) {
-                    v0 = wg_silu(v0) * acc[64 + 4 * j + 2 * h];
-                    v1 = wg_silu(v1) * acc[64 + 4 * j + 2 * h + 1];
+                for (int q = 0; q < 4; q++) {
+                    const int i = 4 * (half * WG_OUT_COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
+                    float v0 = acc[i], v1 = acc[i + 1];
+                    if constexpr (GLU) {
+                        v0 = wg_silu(v0) * acc[64 + i];
+                        v1 = wg_silu(v1) * acc[64 + i + 1];
+                    }
+                    r[q] = pack2<T>(v0, v1);
                 }
-                *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
+                wg_stmatrix_x4(buf + lane_off + jj * 32, r[0], r[1], r[2], r[3]);
+            }
+        };
+        const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
+        /* the previous item's bulk copies have read the buffer (long done: an item ago) */
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        __syncwarp();
+        stage_half(out_buf, 0);
+        /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        const int col0 = nb * COLS;
+        if (lane < 16 && prow + lane < tile.end)
+            wg_bulk_store(out + (size_t)(prow + lane) * a.n + col0, out_buf + lane * WG_OUT_ROW_BYTES,
+                          (uint32_t)min(WG_OUT_COLS, a.n - col0) * 2);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        if constexpr (!GLU) {
+            /* the last two ring slots the products read: free once both warpgroups are past their
+             * wait_group 0 (this barrier) until the loader refills them, after the next item's first
+             * and second __syncthreads */
+            __syncthreads();
+            const uint32_t spare = sbase + (uint32_t)((stage + 2) % WG_STAGES) * WG_STAGE_BYTES +
+                                   (tid >> 5) * WG_OUT_WARP_BYTES;
+            stage_half(spare, 1);
+            __syncwarp();
+            const int c16 = lane & 15, col = col0 + WG_OUT_COLS + c16 * 8;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int r = 2 * i + (lane >> 4);
+                if (col < a.n && prow + r < tile.end) {
+                    uint4 v;
+                    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                                 : "r"(spare + r * WG_OUT_ROW_BYTES + c16 * 16)
+                                 : "memory");
+                    *reinterpret_cast<uint4 *>(out + (size_t)(prow + r) * a.n + col) = v;
+                }
             }
         }
     }
+    /* the last bulk copies are complete (written, not only read) before the block ends */
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     cp_async_wait<0>();
 #endif
 }
