@@ -121,6 +121,41 @@ __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_po
     }
 }
 
+/* One chunk of UNROLL steps of K (a step: 16 bytes per lane and matrix) for NT token rows: every weight
+ * load of the chunk issued before the first use. PARTIAL: the chunk may run past K, and the steps
+ * past it are skipped. */
+template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL, bool PARTIAL>
+__device__ __forceinline__ void gemv_chunk(const ProjArgs &a, const TW *w0, const TW *w1, const TX *const (&xr)[NT],
+                                           int k0, float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
+    constexpr int STEP = 32 * VW;
+    Pack<TW, VW> wa[UNROLL], wb[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        /* past K: the chunk's first step again (a hit), keeping the loads unconditional */
+        const int k = PARTIAL && k0 + u * STEP >= a.k ? k0 : k0 + u * STEP;
+        wa[u] = load_stream<TW, VW>(w0 + k);
+        if (GLU) wb[u] = load_stream<TW, VW>(w1 + k);
+    }
+    if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
+        pdl_wait();
+        must_wait = false;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        if (PARTIAL && k0 + u * STEP >= a.k) break;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float xv[VW];
+            load_f32<TX, VW>(xr[t] + k0 + u * STEP, xv);
+#pragma unroll
+            for (int i = 0; i < VW; i++) {
+                acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
+                if (GLU) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
+            }
+        }
+    }
+}
+
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. */
 template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
@@ -137,52 +172,15 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
 
-    /* UNROLL loads per matrix issued before the first use, then single steps for the rest of K */
-    int k = lane * VW;
-    for (; k + (UNROLL - 1) * STEP < a.k; k += UNROLL * STEP) {
-        Pack<TW, VW> wa[UNROLL], wb[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            wa[u] = load_stream<TW, VW>(w0 + k + u * STEP);
-            if (GLU) wb[u] = load_stream<TW, VW>(w1 + k + u * STEP);
-        }
-        if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
-            pdl_wait();
-            must_wait = false;
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                float xv[VW];
-                load_f32<TX, VW>(xr[t] + k + u * STEP, xv);
-#pragma unroll
-                for (int i = 0; i < VW; i++) {
-                    acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
-                    if (GLU) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
-                }
-            }
-        }
-    }
-    for (; k < a.k; k += STEP) {
-        const Pack<TW, VW> wa = load_stream<TW, VW>(w0 + k);
-        Pack<TW, VW> wb;
-        if (GLU) wb = load_stream<TW, VW>(w1 + k);
-        if (must_wait) {
-            pdl_wait();
-            must_wait = false;
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            float xv[VW];
-            load_f32<TX, VW>(xr[t] + k, xv);
-#pragma unroll
-            for (int i = 0; i < VW; i++) {
-                acc0[t] = fmaf(to_f32(wa.v[i]), xv[i], acc0[t]);
-                if (GLU) acc1[t] = fmaf(to_f32(wb.v[i]), xv[i], acc1[t]);
-            }
-        }
-    }
+    /* K in chunks of UNROLL steps, the last one partial: a short row (the down projection of a
+     * fine-grained expert, K = 1408: 5.5 steps) is then all in flight at once rather than a step at a
+     * time. Each lane still sums its elements in ascending k: the result does not depend on UNROLL. */
+    int k0 = lane * VW;
+    for (; k0 + (UNROLL - 1) * STEP < a.k; k0 += UNROLL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, UNROLL, false>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
+    constexpr int TAIL = NT == 1 ? UNROLL : (UNROLL + 1) / 2; /* wider passes: no spills (ptxas -v) */
+    for (; k0 < a.k; k0 += TAIL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, TAIL, true>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
