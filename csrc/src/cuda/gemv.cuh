@@ -6,8 +6,10 @@
  * Each warp owns one output row n (for SWIGLU the gate row and the up row together, so silu(g) * u is
  * formed in the same pass), walks K with 16-byte loads, UNROLL of them in flight (8 in the one-matrix
  * kernels of at most 2 token rows, else 4 per matrix), and dots them against up to MAXNT token rows
- * read through L1. A block is 8 warps = 8 consecutive rows (blockIdx.y); blockIdx.x picks the
- * positions one of three ways:
+ * read through L1. A block is 8 warps; warp w takes rows n = 8 (blockIdx.y + i gridDim.y) + w, i.e. one
+ * group of 8 consecutive rows, or several where the launch caps the grid (direct mode with short rows,
+ * experts.cu: a few blocks per SM, so that a block's setup is paid per SM slot rather than per 8
+ * rows); blockIdx.x picks the positions one of three ways:
  *  - direct mode (ids given, few assignments): the blockIdx.x-th distinct expert among the ids, and
  *    the assignments that chose it, found by the block itself: no permute kernel runs, and
  *    positions are assignment indices t*k+j (the first projection also keeps the expert counters and
@@ -230,31 +232,33 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
         p1 = min(p0 + GEMV_GROUP, a.positions);
     }
     const int lane = threadIdx.x & 31;
-    const int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5);
-    if (n >= a.n) return;
-    const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
-    const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
     /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
      * projection at decode), else 4 (registers: see the file header) */
     constexpr int U = VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8;
-    for (; p0 < p1; p0 += MAXNT) {
-        const int count = min(p1 - p0, MAXNT);
-        if constexpr (MAXNT >= 8)
-            if (count > 4) {
-                gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        if constexpr (MAXNT >= 4)
-            if (count > 2) {
-                gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        if constexpr (MAXNT >= 2)
-            if (count == 2) {
-                gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
+    /* warp w of the block takes rows n = 8 (blockIdx.y + i gridDim.y) + w: one row unless the launch
+     * gave fewer blocks than groups of 8 rows (gemv_launch's row_blocks) */
+    for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
+        const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
+        const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
+        for (int q = p0; q < p1; q += MAXNT) {
+            const int count = min(p1 - q, MAXNT);
+            if constexpr (MAXNT >= 8)
+                if (count > 4) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            if constexpr (MAXNT >= 4)
+                if (count > 2) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            if constexpr (MAXNT >= 2)
+                if (count == 2) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+        }
     }
 }
 
@@ -271,10 +275,13 @@ static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t
 /* Launches gemv_kernel over `slots` values of blockIdx.x (slots that find no tile or expert return at
  * once). tile: 1, 2, 4 or 8, the most token rows per pass (and the tile_m permute.cu used, if any).
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
- * otherwise one element at a time (always the 8-row kernel: those shapes are small). */
+ * otherwise one element at a time (always the 8-row kernel: those shapes are small). row_blocks > 0:
+ * at most that many blocks along the rows, each warp then looping over rows (0: a block per 8 rows). */
 template <class TW, class TX, class TO, bool GLU>
-static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, cudaStream_t stream) {
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
+static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, int row_blocks,
+                               cudaStream_t stream) {
+    const int groups = (a.n + GEMV_WARPS - 1) / GEMV_WARPS;
+    const dim3 grid((unsigned)slots, (unsigned)(row_blocks > 0 && row_blocks < groups ? row_blocks : groups));
     const size_t smem = a.ids ? (size_t)a.num_experts * sizeof(int) : 0;
     if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), GLU>(a, grid, tile, smem, stream);
     return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
