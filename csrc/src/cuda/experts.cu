@@ -358,6 +358,16 @@ static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int6
  * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). */
 #define GEMV_MAX_ASSIGNMENTS 8
 
+/* Direct mode with short rows (at most this many bytes of weights per warp and row: fine-grained experts,
+ * 2.8-8 KB) launches about GEMV_LOOP_BLOCKS_PER_SM blocks per SM (what the registers of the 1- and
+ * 2-row kernels allow) whose warps loop over rows, rather than a block per 8 rows: a block's setup (its
+ * expert found in the ids: an L2 round trip and a few barriers) and its wait for a free slot are then
+ * paid once per slot, not once per 8 rows. Measured (NOTES.md, v8): DeepSeek T=1 0.052 -> 0.046 ms,
+ * Qwen 0.040 -> 0.036; 2 blocks per SM for the up projection, leaving a slot for the down one to
+ * start early, was no faster. Long rows (Mixtral: 16-28 KB per warp) keep a block per 8 rows. */
+#define GEMV_SHORT_ROW_BYTES 8192
+#define GEMV_LOOP_BLOCKS_PER_SM 3
+
 /* 1..GEMV_GROUP: the few-tokens path (gemv.cuh) with that many token rows per pass: the smallest of 2,
  * 4, 8 at or above 1.5x the mean assignments per expert (1 for at most one per expert on average
  * when the experts outnumber the assignments 4 to 1). 16..128: the tensor-core tile height, ~1.5x the
@@ -424,7 +434,13 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         a.early = !bookkeeping;
         slots = active;
     }
-    if (tile_m <= GEMV_GROUP) return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, stream);
+    if (tile_m <= GEMV_GROUP) {
+        int row_blocks = 0;
+        const size_t row_bytes = (size_t)k * sizeof(TW) * (GLU ? 2 : 1);
+        if (direct_ids && row_bytes <= GEMV_SHORT_ROW_BYTES)
+            row_blocks = (int)(((int64_t)GEMV_LOOP_BLOCKS_PER_SM * b->sm_count + slots - 1) / slots);
+        return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
+    }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
         if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, b->sm_count, stream);
         const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n);

@@ -6,8 +6,10 @@
  * Each warp owns one output row n (for SWIGLU the gate row and the up row together, so silu(g) * u is
  * formed in the same pass), walks K with 16-byte loads, UNROLL of them in flight (8 in the one-matrix
  * kernels of at most 2 token rows, else 4 per matrix), and dots them against up to MAXNT token rows
- * read through L1. A block is 8 warps = 8 consecutive rows (blockIdx.y); blockIdx.x picks the
- * positions one of three ways:
+ * read through L1. A block is 8 warps; warp w takes rows n = 8 (blockIdx.y + i gridDim.y) + w, i.e. one
+ * group of 8 consecutive rows, or several where the launch caps the grid (direct mode with short rows,
+ * experts.cu: a few blocks per SM, so that a block's setup is paid per SM slot rather than per 8
+ * rows); blockIdx.x picks the positions one of three ways:
  *  - direct mode (ids given, few assignments): the blockIdx.x-th distinct expert among the ids, and
  *    the assignments that chose it, found by the block itself: no permute kernel runs, and
  *    positions are assignment indices t*k+j (the first projection also keeps the expert counters and
@@ -121,6 +123,41 @@ __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_po
     }
 }
 
+/* One chunk of UNROLL steps of K (a step: 16 bytes per lane and matrix) for NT token rows: every weight
+ * load of the chunk issued before the first use. PARTIAL: the chunk may run past K, and the steps
+ * past it are skipped. */
+template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL, bool PARTIAL>
+__device__ __forceinline__ void gemv_chunk(const ProjArgs &a, const TW *w0, const TW *w1, const TX *const (&xr)[NT],
+                                           int k0, float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
+    constexpr int STEP = 32 * VW;
+    Pack<TW, VW> wa[UNROLL], wb[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        /* past K: the chunk's first step again (a hit), keeping the loads unconditional */
+        const int k = PARTIAL && k0 + u * STEP >= a.k ? k0 : k0 + u * STEP;
+        wa[u] = load_stream<TW, VW>(w0 + k);
+        if (GLU) wb[u] = load_stream<TW, VW>(w1 + k);
+    }
+    if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
+        pdl_wait();
+        must_wait = false;
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+        if (PARTIAL && k0 + u * STEP >= a.k) break;
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            float xv[VW];
+            load_f32<TX, VW>(xr[t] + k0 + u * STEP, xv);
+#pragma unroll
+            for (int i = 0; i < VW; i++) {
+                acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
+                if (GLU) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
+            }
+        }
+    }
+}
+
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. */
 template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
@@ -137,52 +174,15 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
 
-    /* UNROLL loads per matrix issued before the first use, then single steps for the rest of K */
-    int k = lane * VW;
-    for (; k + (UNROLL - 1) * STEP < a.k; k += UNROLL * STEP) {
-        Pack<TW, VW> wa[UNROLL], wb[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-            wa[u] = load_stream<TW, VW>(w0 + k + u * STEP);
-            if (GLU) wb[u] = load_stream<TW, VW>(w1 + k + u * STEP);
-        }
-        if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
-            pdl_wait();
-            must_wait = false;
-        }
-#pragma unroll
-        for (int u = 0; u < UNROLL; u++) {
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                float xv[VW];
-                load_f32<TX, VW>(xr[t] + k + u * STEP, xv);
-#pragma unroll
-                for (int i = 0; i < VW; i++) {
-                    acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
-                    if (GLU) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
-                }
-            }
-        }
-    }
-    for (; k < a.k; k += STEP) {
-        const Pack<TW, VW> wa = load_stream<TW, VW>(w0 + k);
-        Pack<TW, VW> wb;
-        if (GLU) wb = load_stream<TW, VW>(w1 + k);
-        if (must_wait) {
-            pdl_wait();
-            must_wait = false;
-        }
-#pragma unroll
-        for (int t = 0; t < NT; t++) {
-            float xv[VW];
-            load_f32<TX, VW>(xr[t] + k, xv);
-#pragma unroll
-            for (int i = 0; i < VW; i++) {
-                acc0[t] = fmaf(to_f32(wa.v[i]), xv[i], acc0[t]);
-                if (GLU) acc1[t] = fmaf(to_f32(wb.v[i]), xv[i], acc1[t]);
-            }
-        }
-    }
+    /* K in chunks of UNROLL steps, the last one partial: a short row (the down projection of a
+     * fine-grained expert, K = 1408: 5.5 steps) is then all in flight at once rather than a step at a
+     * time. Each lane still sums its elements in ascending k: the result does not depend on UNROLL. */
+    int k0 = lane * VW;
+    for (; k0 + (UNROLL - 1) * STEP < a.k; k0 += UNROLL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, UNROLL, false>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
+    constexpr int TAIL = NT == 1 ? UNROLL : (UNROLL + 1) / 2; /* wider passes: no spills (ptxas -v) */
+    for (; k0 < a.k; k0 += TAIL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, TAIL, true>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
@@ -232,31 +232,33 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
         p1 = min(p0 + GEMV_GROUP, a.positions);
     }
     const int lane = threadIdx.x & 31;
-    const int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5);
-    if (n >= a.n) return;
-    const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
-    const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
     /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
      * projection at decode), else 4 (registers: see the file header) */
     constexpr int U = VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8;
-    for (; p0 < p1; p0 += MAXNT) {
-        const int count = min(p1 - p0, MAXNT);
-        if constexpr (MAXNT >= 8)
-            if (count > 4) {
-                gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        if constexpr (MAXNT >= 4)
-            if (count > 2) {
-                gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        if constexpr (MAXNT >= 2)
-            if (count == 2) {
-                gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
-                continue;
-            }
-        gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, p0, count, n, lane, must_wait);
+    /* warp w of the block takes rows n = 8 (blockIdx.y + i gridDim.y) + w: one row unless the launch
+     * gave fewer blocks than groups of 8 rows (gemv_launch's row_blocks) */
+    for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
+        const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
+        const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
+        for (int q = p0; q < p1; q += MAXNT) {
+            const int count = min(p1 - q, MAXNT);
+            if constexpr (MAXNT >= 8)
+                if (count > 4) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            if constexpr (MAXNT >= 4)
+                if (count > 2) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            if constexpr (MAXNT >= 2)
+                if (count == 2) {
+                    gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    continue;
+                }
+            gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+        }
     }
 }
 
@@ -273,10 +275,13 @@ static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t
 /* Launches gemv_kernel over `slots` values of blockIdx.x (slots that find no tile or expert return at
  * once). tile: 1, 2, 4 or 8, the most token rows per pass (and the tile_m permute.cu used, if any).
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
- * otherwise one element at a time (always the 8-row kernel: those shapes are small). */
+ * otherwise one element at a time (always the 8-row kernel: those shapes are small). row_blocks > 0:
+ * at most that many blocks along the rows, each warp then looping over rows (0: a block per 8 rows). */
 template <class TW, class TX, class TO, bool GLU>
-static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, cudaStream_t stream) {
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
+static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, int row_blocks,
+                               cudaStream_t stream) {
+    const int groups = (a.n + GEMV_WARPS - 1) / GEMV_WARPS;
+    const dim3 grid((unsigned)slots, (unsigned)(row_blocks > 0 && row_blocks < groups ? row_blocks : groups));
     const size_t smem = a.ids ? (size_t)a.num_experts * sizeof(int) : 0;
     if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), GLU>(a, grid, tile, smem, stream);
     return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);

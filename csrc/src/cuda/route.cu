@@ -33,19 +33,36 @@ struct TopkArgs {
     float *wts;
 };
 
+/* Logits of one token each lane keeps in registers (e = lane + 32 i): with E <= 256 the picks below
+ * read the row from L2 once instead of once per pick; larger E reads the rest each time. */
+#define TOPK_REG 8
+
+/* Calls f(logit, e) for this lane's experts e = lane, lane + 32, ... < E, in ascending e. */
+template <class F> __device__ __forceinline__ void for_lane_logits(const float (&v)[TOPK_REG], const float *l, int E,
+                                                                   int lane, F &&f) {
+#pragma unroll
+    for (int i = 0; i < TOPK_REG; i++)
+        if (lane + 32 * i < E) f(v[i], lane + 32 * i);
+    for (int e = lane + 32 * TOPK_REG; e < E; e += 32) f(__ldcg(l + e), e);
+}
+
 /* One warp, one token: pick k times the best score ranked after the previous pick (no set of chosen
- * ids to keep, and any E and k work). Lane 0 then forms the weights from the chosen logits. The logits
- * are read from L2 (__ldcg): another block of the same launch may have written them. */
+ * ids to keep, and any E and k work), the pick's logit carried along. Lane 0 then forms the weights
+ * from the chosen logits. The logits are read from L2 (__ldcg): another block of the same launch may
+ * have written them. */
 __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
+    float v[TOPK_REG];
+#pragma unroll
+    for (int i = 0; i < TOPK_REG; i++) v[i] = lane + 32 * i < E ? __ldcg(l + lane + 32 * i) : 0.0f;
     float mx = -INFINITY;
-    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, __ldcg(l + e));
+    for_lane_logits(v, l, E, lane, [&](float x, int) { mx = fmaxf(mx, x); });
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float sum = 0.0f;
     if (routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
-        for (int e = lane; e < E; e += 32) sum += expf(__ldcg(l + e) - mx);
+        for_lane_logits(v, l, E, lane, [&](float x, int) { sum += expf(x - mx); });
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
@@ -55,23 +72,24 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
     float prev_s = INFINITY;
     int prev_e = -1;
     for (int j = 0; j < k; j++) {
-        float best_s = -INFINITY;
+        float best_s = -INFINITY, best_l = 0.0f;
         int best_e = 0x7fffffff;
-        for (int e = lane; e < E; e += 32) {
-            const float s = selection_score(routing, __ldcg(l + e), p.bias, e);
+        for_lane_logits(v, l, E, lane, [&](float x, int e) {
+            const float s = selection_score(routing, x, p.bias, e);
             const bool after_prev = s < prev_s || (s == prev_s && e > prev_e);
-            if (after_prev && ranks_before(s, e, best_s, best_e)) { best_s = s; best_e = e; }
-        }
+            if (after_prev && ranks_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
+        });
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
             const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-            if (ranks_before(os, oe, best_s, best_e)) { best_s = os; best_e = oe; }
+            const float ol = __shfl_xor_sync(0xffffffffu, best_l, off);
+            if (ranks_before(os, oe, best_s, best_e)) { best_s = os; best_e = oe; best_l = ol; }
         }
         prev_s = best_s;
         prev_e = best_e;
         if (lane == 0) {
-            const float lg = __ldcg(l + best_e);
+            const float lg = best_l;
             ids_t[j] = best_e;
             w_t[j] = routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? expf(lg - mx) / sum
                      : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0f / (1.0f + expf(-lg))
