@@ -55,6 +55,24 @@ def check(lib, status, what):
         raise RuntimeError(f"{what}: status {status}: {lib.colibri_last_error().decode()}")
 
 
+def capture(lib, ctx, T, x, out):
+    """A CUDA graph of one bf16 forward of x [T, H] into out, captured after a plain forward (which
+    does the first-call work) and replayed once; device errors raise."""
+    def call():
+        check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
+                                           torch.cuda.current_stream().cuda_stream), "forward")
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    check(lib, lib.colibri_moe_context_take_device_error(ctx), "device error")
+    return graph
+
+
 class Timer:
     """Median of `reps` CUDA-event timings of fn(), each after an L2 flush."""
 
@@ -154,29 +172,14 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             x = torch.randn(T, H, device="cuda", dtype=dt)
             out = torch.empty_like(x)
 
-            def capture(l, ctx):
-                def call():
-                    check(l, l.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
-                                                   torch.cuda.current_stream().cuda_stream), "forward")
-
-                call()
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    call()
-                graph.replay()
-                torch.cuda.synchronize()
-                check(l, l.colibri_moe_context_take_device_error(ctx), "device error")
-                return graph
-
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)
             compare = {}
             for label, l in others:
-                graph = capture(l, ctxs[label])
+                graph = capture(l, ctxs[label], T, x, out)
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 compare[label] = dict(colibri_ms=timer(graph.replay), rel_err_vs_eager=err)
                 del graph
-            graph = capture(lib, ctxs[""])
+            graph = capture(lib, ctxs[""], T, x, out)
             rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             t_col = timer(graph.replay)
             t_eager = timer(lambda: hf_eager(x, router, w1, w3, w2, k, renorm))

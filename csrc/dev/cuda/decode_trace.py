@@ -82,21 +82,6 @@ def setup(name, E, k, H, F, renorm, libs):
     return ctxs
 
 
-def capture(lib, ctx, T, x, out):
-    def call():
-        bg.check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
-                                              torch.cuda.current_stream().cuda_stream), "forward")
-
-    call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
-    g.replay()
-    torch.cuda.synchronize()
-    return g
-
-
 def timed(g, flush, mode):
     if mode == "zero":
         flush.zero_()
@@ -136,7 +121,7 @@ def main():
                     torch.cuda.synchronize()
                 continue
             for label, lib in libs:
-                g = capture(lib, ctxs[label], T, x, out)
+                g = bg.capture(lib, ctxs[label], T, x, out)
                 res = {}
                 for mode in ("zero", "read", "none"):
                     for _ in range(3):
@@ -146,7 +131,7 @@ def main():
                       "  ".join(f"flush {m} {v:7.1f}" for m, v in res.items()), flush=True)
                 del g
             for label, lib in traces:
-                g = capture(lib, ctxs[label], T, x, out)
+                g = bg.capture(lib, ctxs[label], T, x, out)
                 take(lib)
                 rows, totals = [], []
                 for rep in range(args.reps + 3):
