@@ -51,19 +51,46 @@ class Logger:
     log_error = log_info
 
 
+class MetricFamily:
+    """Records what model.py reports: families[name].metrics[labels as a sorted tuple] holds the
+    increments (counters) or observations (histograms) in the order they came."""
+    COUNTER, HISTOGRAM = "counter", "histogram"
+    families = {}
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, {}
+        MetricFamily.families[name] = self
+
+    def Metric(self, labels, buckets=None):  # noqa: N802 (the backend's name)
+        return _Metric(self.metrics.setdefault(tuple(sorted(labels.items())), []))
+
+
+class _Metric:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def increment(self, value):
+        self.calls.append(value)
+
+    observe = increment
+
+
 def get_input_tensor_by_name(request, name):
     return request.get(name)
 
 
-def load_model(monkeypatch, weights, kind="CPU", device_id=0):
-    """model.py's TritonPythonModel, initialized on weights for an instance of kind (CPU | GPU)."""
+def load_model(monkeypatch, weights, kind="CPU", device_id=0, parameters=None):
+    """model.py's TritonPythonModel, initialized on weights for an instance of kind (CPU | GPU), with
+    config parameters {key: string value}."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", sys.modules[__name__])
     monkeypatch.setenv("COLIBRI_WEIGHTS", str(weights))
     spec = importlib.util.spec_from_file_location("colibri_moe_model_under_test", MODEL_PY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
-    model.initialize({"model_config": json.dumps({}), "model_instance_kind": kind,
+    MetricFamily.families.clear()
+    config = {"parameters": {key: {"string_value": value} for key, value in (parameters or {}).items()}}
+    model.initialize({"model_config": json.dumps(config), "model_instance_kind": kind,
                       "model_instance_device_id": str(device_id), "model_repository": str(weights.parent),
                       "model_version": "1", "model_name": "colibri_moe"})
     return model

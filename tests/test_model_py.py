@@ -2,12 +2,16 @@
 Python backend): requests whose hidden states hold a NaN or an Inf are refused one by one, naming the
 row within the request, and the others of the same batch are computed together, exactly as alone.
 The same on a GPU instance with GPU tensors (as CUDA shared memory gives them) is in test_cuda.py."""
+import time
+import types
+
 import numpy as np
 import pytest
 
 import colibri
 from colibri import checkpoint
 from colibri.testing import relative_error
+import fake_backend
 from fake_backend import load_model, request
 
 
@@ -80,3 +84,53 @@ def test_nonfinite_requests_refused_alone_in_their_batch(weights, monkeypatch, r
         assert sorted(forwards) == sorted(n for n in (
             sum(a["hidden_states"].shape[0] for a in good if "topk_ids" not in a),
             sum(a["hidden_states"].shape[0] for a in good if "topk_ids" in a)) if n)
+
+
+def expert_increments(E):
+    """{expert: [increments]} that the fake backend recorded for colibri_expert_tokens_total."""
+    metrics = fake_backend.MetricFamily.families["colibri_expert_tokens_total"].metrics
+    return {e: calls for labels, calls in metrics.items() for key, e in [(k, int(v)) for k, v in labels if k == "expert"]}
+
+
+def test_expert_counters_go_out_once_per_interval(weights, monkeypatch, rng):
+    """The per-expert token counters reach Triton at most once per COLIBRI_METRICS_INTERVAL_S, with
+    the batch after it ends, exactly (what the batches in between routed is held, not lost); finalize
+    sends the rest. The forward-time histogram still gets one observation per batch."""
+    model = load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": "1.5"})
+    clock = [100.0]
+    monkeypatch.setitem(type(model).execute.__globals__, "time",
+                        types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter))
+    model.last_flush = clock[0]
+    layer = colibri.MoELayer.from_file(weights)
+    E = layer.config.num_experts
+    expected = np.zeros(E, np.int64)
+
+    def batch():
+        x = rng.standard_normal((int(rng.integers(1, 9)), layer.config.hidden_size)).astype(np.float32)
+        responses = model.execute([request(hidden_states=x)])
+        assert responses[0].error is None
+        ids, _ = layer.route(x)
+        expected[:] += np.bincount(np.asarray(ids).ravel(), minlength=E)
+
+    for t in (100.5, 101.0):  # within the interval: nothing sent yet
+        clock[0] = t
+        batch()
+    assert all(not calls for calls in expert_increments(E).values())
+    clock[0] = 101.6  # the interval is over: this batch sends all three
+    batch()
+    sent = expert_increments(E)
+    assert [sum(sent[e]) for e in range(E)] == expected.tolist() and all(len(c) <= 1 for c in sent.values())
+    clock[0] = 102.0
+    batch()
+    model.finalize()
+    assert [sum(expert_increments(E)[e]) for e in range(E)] == expected.tolist()
+    histogram = fake_backend.MetricFamily.families["colibri_forward_seconds"].metrics
+    assert [len(calls) for calls in histogram.values()] == [4]
+
+
+def test_metrics_interval_parameter_is_checked(weights, monkeypatch):
+    model = load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": "0"})
+    assert model.metrics_interval == 0.0
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(ValueError, match="COLIBRI_METRICS_INTERVAL_S"):
+            load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": bad})

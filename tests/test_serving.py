@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -215,7 +216,13 @@ def expert_metrics(server):
 
 
 def test_metrics_count_tokens_per_expert(server, layer, rng):
+    """The counters go out with the first batch after each COLIBRI_METRICS_INTERVAL_S (1 s here):
+    one request after a pause flushes what earlier tests left, then two requests and, after another
+    pause, a third that flushes all three."""
     E = layer.config.num_experts
+    flush = good_request(layer, rng, tokens=1)[0]
+    time.sleep(1.1)
+    grpc_infer(server.grpc_url, flush)
     before, forwards_before = expert_metrics(server)
     assert sorted(before) == list(range(E))
     expected = np.zeros(E, np.int64)
@@ -226,10 +233,14 @@ def test_metrics_count_tokens_per_expert(server, layer, rng):
     grpc_infer(server.grpc_url, routed)
     ids, _, _ = reference.route(layer.config, routed[0][1], layer.router, layer.router_bias)
     expected += np.bincount(ids.ravel(), minlength=E)
+    time.sleep(1.1)
+    last, _ = good_request(layer, rng, tokens=3)
+    grpc_infer(server.grpc_url, last)
+    expected += np.bincount(last[1][1].ravel(), minlength=E)
 
     after, forwards_after = expert_metrics(server)
     assert [after[e] - before[e] for e in range(E)] == expected.tolist()
-    assert forwards_after - forwards_before == 2
+    assert forwards_after - forwards_before == 3
 
 
 def test_auto_instance_kind_follows_the_host(server):

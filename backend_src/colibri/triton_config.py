@@ -25,6 +25,20 @@ def instance_weights_path(args: dict) -> str:
     return weights_path(json.loads(args["model_config"]), os.path.join(args["model_repository"], args["model_version"]))
 
 
+def metrics_interval(args: dict) -> float:
+    """Seconds between flushes of the per-expert token counters to Triton: config parameter
+    COLIBRI_METRICS_INTERVAL_S, default 1 (0: after every batch)."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    text = parameters.get("COLIBRI_METRICS_INTERVAL_S", {}).get("string_value", "1")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0.0:  # NaN too
+        raise ValueError(f"config parameter COLIBRI_METRICS_INTERVAL_S: {text!r} is not a number of seconds >= 0")
+    return value
+
+
 def complete(auto_complete_model_config, version_dir: str):
     """auto_complete_config for a model with colibri_moe's tensors: dims [H] for hidden_states,
     [k] for topk_ids and topk_weights, [out_features] for output; the declared data types (the
