@@ -25,7 +25,7 @@ for s in $STAGES; do
     timeout "${CHECK_S:-180}" "$dir/check_cuda" >"$OUT/check.log" 2>&1; echo "check rc=$?"
     grep -E "^FAIL" "$OUT/check.log" | head -20; tail -13 "$OUT/check.log" ;;
   bench)
-    PYTHONUNBUFFERED=1 timeout "${BENCH_S:-240}" python3 bench/bench_gpu.py --lib "$dir/libcolibri.so" "${compare[@]}" \
+    PYTHONUNBUFFERED=1 timeout "${BENCH_S:-240}" python3 bench/bench_gpu.py --lib "$dir/libcolibri.so" ${compare[@]+"${compare[@]}"} \
       --json "$OUT/gpu.json" >"$OUT/bench.log" 2>&1
     echo "bench rc=$?"; cat "$OUT/bench.log" ;;
   memcheck|racecheck)
