@@ -145,13 +145,19 @@ def grouped(x, router, w1t, w3t, w2t, k, renormalize):
     return out
 
 
-def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows, tokens=TOKENS):
+def random_layer(E, H, F):
+    """The bench's bf16 experts w1, w3 [E, F, H], w2 [E, H, F] and fp32 router [E, H], seed 0, on the GPU."""
     torch.manual_seed(0)
     dt = torch.bfloat16
     w1 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
     w3 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
     w2 = (torch.randn(E, H, F, device="cuda") / F ** 0.5).to(dt)
-    router = torch.randn(E, H, device="cuda") / H ** 0.5
+    return w1, w3, w2, torch.randn(E, H, device="cuda") / H ** 0.5
+
+
+def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows, tokens=TOKENS):
+    dt = torch.bfloat16
+    w1, w3, w2, router = random_layer(E, H, F)
     packed = torch.cat([w1.reshape(E, -1), w3.reshape(E, -1), w2.reshape(E, -1)], dim=1).cpu()
     per_expert = 3 * H * F
     offsets = (ctypes.c_uint64 * E)(*[e * per_expert for e in range(E)])

@@ -61,12 +61,7 @@ def take(lib):
 
 
 def setup(name, E, k, H, F, renorm, libs):
-    torch.manual_seed(0)
-    dt = torch.bfloat16
-    w1 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
-    w3 = (torch.randn(E, F, H, device="cuda") / H ** 0.5).to(dt)
-    w2 = (torch.randn(E, H, F, device="cuda") / F ** 0.5).to(dt)
-    router = torch.randn(E, H, device="cuda") / H ** 0.5
+    w1, w3, w2, router = bg.random_layer(E, H, F)
     packed = torch.cat([w1.reshape(E, -1), w3.reshape(E, -1), w2.reshape(E, -1)], dim=1).cpu()
     del w1, w3, w2
     offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])

@@ -91,7 +91,7 @@ class TritonPythonModel:
         # Custom metrics came to the Python backend in 23.05, histograms later still: tritonserver
         # 22.12 (the CUDA 11.8 image) serves without the ones it lacks.
         self.expert_tokens, self.forward_seconds = [], None
-        # Each metric update is a round trip to tritonserver (15-20 us on the CI machine): one per
+        # Each metric update is a round trip to tritonserver (about 20 us on the CI machine): one per
         # touched expert after every batch cost a 64-expert layer about 1 ms per batch. The counts
         # gather here and go out at most once per interval, with the next batch after it.
         self.metrics_interval = triton_config.metrics_interval(args)
