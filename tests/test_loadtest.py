@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from triton_server import REPO_ROOT, missing_reason
+from triton_server import REPO_ROOT, import_compare, missing_reason
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
@@ -93,11 +93,7 @@ def test_bad_rate_is_refused(tmp_path):
 def test_sweep_picks_the_highest_throughput_within_the_budget():
     """bench/serving/compare.py's sweep: per user count, the budget profile's P99 and the throughput of
     all profiles; a level over budget or with failures is not eligible even when it is faster."""
-    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
+    compare = import_compare()
 
     def row(users, profile, rps, tokens, p99, failures=0):
         return {"users": users, "protocol": "grpc", "profile": profile, "throughput_rps": rps,

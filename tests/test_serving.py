@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 import colibri
 from colibri import reference, serve
 from colibri.testing import error_limit
-from triton_server import REPO_ROOT, missing_reason, serving
+from triton_server import REPO_ROOT, import_compare, missing_reason, serving
 
 sys.path.insert(0, str(REPO_ROOT / "client"))
 import common  # noqa: E402  (the clients' reference check, shared)
@@ -325,11 +325,7 @@ def test_cuda_pool_option_per_visible_gpu(monkeypatch):
 
 def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rng):
     """bench/serving/compare.py's per-run server figures, against this real tritonserver."""
-    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
+    compare = import_compare()
     host = f"http://{server.http_url}"
     before = compare.model_stats(host, MODEL)
     for tokens in (3, 5):

@@ -16,6 +16,16 @@ START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
 
 
+def import_compare():
+    """bench/serving/compare.py as a module (it lives outside any package)."""
+    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
+    try:
+        import compare
+    finally:
+        sys.path.pop(0)
+    return compare
+
+
 def missing_reason():
     """Why no tritonserver can be started here, or None. Only a missing server is a reason to skip."""
     from colibri import serve

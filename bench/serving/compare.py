@@ -354,8 +354,8 @@ def main(argv=None) -> int:
                     run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
                     hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
                     step_time=args.step_time, quiet=True)
-                summary["server"] = side = server_side(before, model_stats(server.host, model))
-                server_runs.append({"run": folder, "model": model, **side})
+                server_runs.append({"run": folder, "model": model,
+                                    **server_side(before, model_stats(server.host, model))})
                 t = summary["total"]
                 print(f"  {folder}: {t['requests']} requests, {t['failures']} failed, P99 {t['p99_ms']:.2f} ms, "
                       f"{t['throughput_rps']:.1f} req/s ({time.monotonic() - started:.0f} s)", flush=True)
