@@ -12,7 +12,9 @@
  * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
  * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
  * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
- * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages.
+ * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages; for routing, the
+ * small-T kernel, the gemv and the split router GEMM (T >= 1024 with 64 and 100 experts: one and two
+ * expert tiles), and the one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
  * Exit status 0 only if every check passed.
  */
 #include <cuda_bf16.h>
@@ -291,7 +293,7 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     if (routing == CUSTOM) cfg.routing_fn = simple_routing_fn;
     colibri_moe_context_t *ctx = nullptr;
     COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total,
-                                    routing == GIVEN || routing == CUSTOM ? nullptr : L.router.data(),
+                                    routing == GIVEN ? nullptr : L.router.data(),
                                     L.bias.data()));
 
     const size_t asz = colibri_dtype_size(adt);
@@ -512,6 +514,7 @@ int main(int argc, char **argv) {
     const Shape aligned = {8, 2, 136, 88};  /* 16-byte gemv, every tensor-core tile height, partial tiles */
     const Shape odd = {5, 3, 36, 20};       /* scalar gemv: rows not 16-byte multiples */
     const Shape wide = {64, 6, 64, 32};     /* many experts, fine-grained */
+    const Shape many = {100, 8, 200, 32};   /* router GEMM: two expert tiles, the second partial; H % 32 != 0 */
     const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
     const int routings[6][2] = {{GIVEN, 0}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 1}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 0},
                                 {COLIBRI_ROUTING_TOPK_SOFTMAX, 0}, {COLIBRI_ROUTING_SIGMOID_BIAS, 1}, {CUSTOM, 0}};
@@ -524,7 +527,7 @@ int main(int argc, char **argv) {
                         if (quick && (w != a || r % 2)) continue;
                         run_case(aligned, (colibri_expert_kind_t)kind, w, a, routings[r][0], routings[r][1], T, 0, rng);
                     }
-    for (Shape s : {odd, wide})
+    for (Shape s : {odd, wide, many})
         for (int r = 0; r < 6; r++)
             for (colibri_dtype_t w : dts)
                 for (int T : Ts) {
@@ -532,6 +535,11 @@ int main(int argc, char **argv) {
                     run_case(s, COLIBRI_EXPERT_SWIGLU, w, w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w,
                              routings[r][0], routings[r][1], T, 0, rng);
                 }
+    /* the router GEMM (T >= 1024, more than 16 experts) in the quick set too, for the sanitizers */
+    if (quick)
+        for (int r = 1; r < 3; r++)
+            run_case(many, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, r == 1 ? COLIBRI_DTYPE_F32 : COLIBRI_DTYPE_BF16,
+                     routings[r][0], routings[r][1], 1024, 0, rng);
     /* 128-row tiles whose K cycles the 4-stage ring of the wgmma kernel (8 and 5 k tiles) and whose N
      * ends inside a block (320 = 2.5 x 128 for the gate/up, 256 + 64 for linear) */
     const Shape deep = {4, 2, 512, 320};
@@ -547,7 +555,9 @@ int main(int argc, char **argv) {
              quick ? 513 : 4096, 200, rng);
     for (colibri_dtype_t w : dts)
         for (int T : {1, 7, 513}) graph_and_bad_ids(aligned, w, COLIBRI_DTYPE_BF16, T, rng);
-    graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 64 : 4096, rng);
+    /* many assignments: the multi-block permutation and the split router GEMM, also under the sanitizers */
+    graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 1024 : 4096, rng);
+    graph_and_bad_ids(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, quick ? 700 : 3000, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
     for (colibri_dtype_t w : dts)

@@ -48,6 +48,7 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->router = ctx->router_weight ? c.take<float>(E * H) : NULL;
     b->router_bias = ctx->router_bias ? c.take<float>(E) : NULL;
     b->logits = c.take<float>(tokens * E);
+    b->logits_part = c.take<float>(ctx->router_weight ? colibri_cuda_route_part_floats(ctx, b->sm_count, (int64_t)tokens) : 0);
     b->ids = c.take<int32_t>(positions);
     b->wts = c.take<float>(positions);
     b->offsets = c.take<int32_t>(E + 1);
@@ -58,6 +59,9 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->totals = c.take<unsigned long long>(E);
     b->bad_id = c.take<int32_t>(1);
     b->route_done = c.take<unsigned>(1);
+    b->permute_hist = c.take<int32_t>(colibri_cuda_permute_chunks((int64_t)positions, cfg->num_experts) * E);
+    b->permute_counts = c.take<int32_t>(E);
+    b->permute_done = c.take<unsigned>(1);
     b->xc = c.take<char>(tokens * H * wsize);
     b->inter = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU ? c.take<char>(positions * F * wsize) : NULL;
     b->y = c.take<char>(positions * (size_t)ctx->out_features * wsize);
@@ -91,6 +95,7 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
         return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT,
                                  "workspace_tokens * top_k must stay below 2^31 on CUDA (got %zu * %d)", tokens,
                                  cfg->top_k);
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     Carver measure = {NULL};
     carve_workspace(b, ctx, tokens, measure);
     err = cudaMalloc(&b->d_workspace, measure.used);
@@ -109,6 +114,8 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
     COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, E * sizeof(unsigned long long)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->route_done, 0, sizeof(unsigned)));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->permute_counts, 0, E * sizeof(int32_t)));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->permute_done, 0, sizeof(unsigned)));
     colibri_status_t st = colibri_cuda_permute_setup(b, cfg->num_experts);
     if (st != COLIBRI_OK) return st;
     st = colibri_cuda_experts_setup(b);

@@ -42,6 +42,7 @@ struct CudaBackend {
     float *router;              /* [E, H] fp32, or NULL */
     float *router_bias;         /* [E] fp32, or NULL */
     float *logits;              /* [Tw, E] fp32 */
+    float *logits_part;         /* [splits - 1, T, E] split-K partial logits of the router GEMM (route.cu) */
     int32_t *ids;               /* [Tw, k] routing computed here */
     float *wts;                 /* [Tw, k] */
     int32_t *offsets;           /* [E + 1] */
@@ -52,6 +53,9 @@ struct CudaBackend {
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
+    int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
+    int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
+    unsigned *permute_done;     /* [1] its count blocks done; 0 between launches */
     /* Experts compute in the weight dtype ("compute dtype"): tensor cores take 16-bit operands of one type. */
     void *xc;                   /* [Tw, H] input converted to the weight dtype (tensor-core path) */
     void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
@@ -194,7 +198,11 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
                                            colibri_dtype_t act_dtype, const void *input, int32_t *topk_ids,
                                            float *topk_weights, int32_t permute_tile_m, bool *permuted,
                                            cudaStream_t stream);
+/* Floats of logits_part that forwards of up to `tokens` tokens need (sm_count: the device's). */
+size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_count, int64_t tokens);
 /* permute.cu */
+/* Chunks (rows of permute_hist) the multi-block permutation of `assignments` uses at most. */
+size_t colibri_cuda_permute_chunks(int64_t assignments, int32_t num_experts);
 colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts);
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              const int32_t *topk_ids, int32_t tile_m, cudaStream_t stream);

@@ -2,19 +2,113 @@
  * permute.cu — groups the T*k (token, slot) assignments by expert on the device, deterministically:
  * within an expert, assignments keep their order t*k+j, so every run produces the same layout.
  *
- * One block does it all (T*k is at most workspace_tokens * k, and one block avoids a grid-wide sync
- * that a graph could not express cheaply): a histogram with shared-memory integer atomics (the
- * counts do not depend on the order), a scan into expert offsets and a tile table, then a stable
- * scatter in which each warp ranks its 32 assignments with __match_any_sync and takes its base from a
- * per-warp, per-expert count. Ids out of range get no position (inv = -1) and raise bad_id.
+ * Up to PERMUTE_MULTI_MIN assignments one block does it all (permute.cuh): a histogram with
+ * shared-memory integer atomics (the counts do not depend on the order), a scan into expert offsets and
+ * a tile table, then a stable scatter in which each warp ranks its 32 assignments with __match_any_sync
+ * and takes its base from a per-warp, per-expert count. Ids out of range get no position (inv = -1) and
+ * raise bad_id.
+ * More assignments (prefill): the same steps spread over chunks of PERMUTE_MULTI_ROUNDS * threads
+ * assignments, one block each, in two launches. Count: each block writes its chunk's histogram and adds
+ * it to the forward's per-expert counts (integer atomics, order-free); the last block to finish (a
+ * counter in the workspace, reset by that block for the next launch) scans the counts into offsets and
+ * the tile table. Scatter: block b starts expert e at offsets[e] plus the counts of chunks 0..b-1 and
+ * ranks its chunk as above. No host synchronisation, so a graph captures it.
  * Also: convert, which casts activations to the weight dtype for the tensor-core path.
  */
 #include "permute.cuh"
+
+/* Fewer assignments: one block. ncu on the H200, one forward each: the one block took 7-10 us up to 2048
+ * assignments, the two multi-block launches 9-12; at 4096 14.0 against 11.8, at 6144 20.5 against 12.0,
+ * at 24576 72.1 against 13.9. */
+#ifndef PERMUTE_MULTI_MIN
+#define PERMUTE_MULTI_MIN 4096
+#endif
 
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
     pdl_begin();
     extern __shared__ int smem[];
     permute_block(ids, n, E, tile_m, o, smem);
+}
+
+/* Multi-block pass 1: chunk histograms; the last block writes offsets and tiles (file header).
+ * Shared memory: E + 32 ints. */
+__global__ void permute_count_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o, int32_t *hist,
+                                     int32_t *counts, unsigned *done) {
+    pdl_begin();
+    extern __shared__ int smem[];
+    int *count = smem, *warp_sums = smem + E; /* [E], [32]; count then holds the forward's totals */
+    __shared__ bool s_last;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    const int c0 = blockIdx.x * blockDim.x * PERMUTE_MULTI_ROUNDS;
+    int e[PERMUTE_MULTI_ROUNDS];
+#pragma unroll
+    for (int r = 0; r < PERMUTE_MULTI_ROUNDS; r++) { /* all loads in flight before the first atomic */
+        const int i = c0 + r * blockDim.x + threadIdx.x;
+        e[r] = i < n ? ids[i] : 0;
+    }
+    bool bad = false;
+#pragma unroll
+    for (int r = 0; r < PERMUTE_MULTI_ROUNDS; r++) {
+        if (c0 + r * (int)blockDim.x + (int)threadIdx.x >= n) continue;
+        if ((unsigned)e[r] < (unsigned)E) atomicAdd(&count[e[r]], 1);
+        else bad = true;
+    }
+    if (bad) *o.bad_id = 1;
+    __syncthreads();
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        const int c = count[x];
+        hist[(size_t)blockIdx.x * E + x] = c;
+        if (c) atomicAdd(&counts[x], c);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    for (int x = threadIdx.x; x < E; x += blockDim.x) {
+        count[x] = __ldcg(counts + x);
+        counts[x] = 0; /* for the next launch */
+    }
+    if (threadIdx.x == 0) *done = 0;
+    __syncthreads();
+    permute_scan(count, E, tile_m, o, NULL, warp_sums);
+}
+
+/* Multi-block pass 2: block b's stable scatter of its chunk. Shared memory: permute_multi_smem_bytes. */
+__global__ void permute_scatter_kernel(const int32_t *ids, int n, int E, PermuteArgs o, const int32_t *hist) {
+    pdl_begin();
+    extern __shared__ int smem[];
+    const int nwarps = blockDim.x >> 5, b = blockIdx.x;
+    int *cursor = smem;                      /* [E] */
+    int *warp_base = cursor + E;             /* [nwarps, E] */
+    int *chunk_ids = warp_base + nwarps * E; /* [blockDim.x * ROUNDS] */
+    /* counts of chunks 0..b-1 per expert: `parts` threads per expert, each summing every parts-th chunk
+     * (integers: the split does not change the sum); the partial sums go where warp_base and chunk_ids
+     * will be, which hold at least max(E, blockDim.x) ints */
+    int *partial = warp_base;
+    const int parts = E < (int)blockDim.x ? (int)blockDim.x / E : 1;
+    for (int x = threadIdx.x; x < parts * E; x += blockDim.x) {
+        const int e = x % E, p = x / E;
+        int s = 0;
+#pragma unroll 4
+        for (int c = p; c < b; c += parts) s += __ldcg(hist + (size_t)c * E + e);
+        partial[x] = s;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int s = __ldcg(o.offsets + e);
+        for (int p = 0; p < parts; p++) s += partial[p * E + e];
+        cursor[e] = s;
+    }
+    __syncthreads();
+    permute_scatter<PERMUTE_MULTI_ROUNDS>(ids, b * (int)blockDim.x * PERMUTE_MULTI_ROUNDS, n, E, o, cursor, warp_base,
+                                          chunk_ids);
+}
+
+size_t colibri_cuda_permute_chunks(int64_t assignments, int32_t num_experts) {
+    return (size_t)permute_multi_blocks(assignments, num_experts);
 }
 
 colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts) {
@@ -30,15 +124,31 @@ colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts)
                                  "the device allows %d", num_experts, b->permute_smem, optin);
     COLIBRI_CUDA_CHECK(cudaFuncSetAttribute(permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)b->permute_smem));
+    const size_t multi = permute_multi_smem_bytes(num_experts);
+    if (multi > (size_t)optin)
+        return colibri_set_error(COLIBRI_ERR_UNSUPPORTED, "%d experts need %zu bytes of shared memory to permute; "
+                                 "the device allows %d", num_experts, multi, optin);
+    COLIBRI_CUDA_CHECK(cudaFuncSetAttribute(permute_scatter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)multi));
     return COLIBRI_OK;
 }
 
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              const int32_t *topk_ids, int32_t tile_m, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    const int n = (int)(num_tokens * ctx->cfg.top_k);
-    COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(b->permute_threads), b->permute_smem, stream,
-                                      topk_ids, n, ctx->cfg.num_experts, tile_m, permute_args(b)));
+    const int n = (int)(num_tokens * ctx->cfg.top_k), E = ctx->cfg.num_experts;
+    if (n < PERMUTE_MULTI_MIN) {
+        COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(b->permute_threads), b->permute_smem, stream,
+                                          topk_ids, n, E, tile_m, permute_args(b)));
+        return COLIBRI_OK;
+    }
+    const int threads = permute_multi_threads(E), blocks = permute_multi_blocks(n, E);
+    COLIBRI_CUDA_CHECK(colibri_launch(permute_count_kernel, dim3((unsigned)blocks), dim3((unsigned)threads),
+                                      sizeof(int) * ((size_t)E + 32), stream, topk_ids, n, E, tile_m,
+                                      permute_args(b), b->permute_hist, b->permute_counts, b->permute_done));
+    COLIBRI_CUDA_CHECK(colibri_launch(permute_scatter_kernel, dim3((unsigned)blocks), dim3((unsigned)threads),
+                                      permute_multi_smem_bytes(E), stream, topk_ids, n, E, permute_args(b),
+                                      (const int32_t *)b->permute_hist));
     return COLIBRI_OK;
 }
 

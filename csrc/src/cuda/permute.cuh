@@ -16,33 +16,12 @@ struct PermuteArgs {
     int32_t *bad_id;
 };
 
-#define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk */
+#define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk (one-block permutation) */
 
-/* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). */
-__device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
-                                              int *smem) {
-    int32_t *offsets = o.offsets, *perm = o.perm, *inv = o.inv, *num_tiles = o.num_tiles, *bad_id = o.bad_id;
-    ExpertTile *tiles = o.tiles;
-    unsigned long long *totals = o.totals;
-    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int chunk = blockDim.x * PERMUTE_ROUNDS;
-    int *count = smem;                  /* [E] */
-    int *cursor = count + E;            /* [E] next free position of each expert */
-    int *warp_base = cursor + E;        /* [nwarps, E] */
-    int *chunk_ids = warp_base + nwarps * E; /* [chunk] */
-    int *warp_sums = chunk_ids + chunk; /* [32] */
-
-    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
-    __syncthreads();
-    bool bad = false;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int e = ids[i];
-        if ((unsigned)e < (unsigned)E) atomicAdd(&count[e], 1);
-        else bad = true;
-    }
-    if (bad) *bad_id = 1;
-    __syncthreads();
-
+/* Expert offsets, the tile table and the per-expert totals from count[E] (shared memory), by every thread
+ * of one block; cursor[e] (if not NULL) gets offsets[e]. warp_sums: 32 ints of shared memory. */
+__device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m, const PermuteArgs &o, int *cursor,
+                                             int *warp_sums) {
     /* each thread scans a contiguous run of experts */
     const int per = (E + blockDim.x - 1) / blockDim.x;
     const int e0 = min((int)threadIdx.x * per, E), e1 = min(e0 + per, E);
@@ -56,65 +35,114 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     int tile = colibri_block_exclusive_scan(my_tiles, warp_sums, &total_tiles);
     for (int e = e0; e < e1; e++) {
         const int c = count[e];
-        offsets[e] = pos;
-        cursor[e] = pos;
-        totals[e] += (unsigned long long)c;
-        for (int b = 0; b < c; b += tile_m) tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        o.offsets[e] = pos;
+        if (cursor) cursor[e] = pos;
+        o.totals[e] += (unsigned long long)c;
+        for (int b = 0; b < c; b += tile_m) o.tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
         pos += c;
     }
     if (threadIdx.x == 0) {
-        offsets[E] = total_count;
-        *num_tiles = total_tiles;
+        o.offsets[E] = total_count;
+        *o.num_tiles = total_tiles;
     }
+}
 
-    for (int c0 = 0; c0 < n; c0 += chunk) {
-        for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-            const int e = c0 + i < n ? ids[c0 + i] : -1;
-            chunk_ids[i] = (unsigned)e < (unsigned)E ? e : -1;
-        }
-        for (int i = threadIdx.x; i < nwarps * E; i += blockDim.x) warp_base[i] = 0;
-        __syncthreads();
-        /* warp w owns chunk_ids[w * 32 * ROUNDS, (w + 1) * 32 * ROUNDS) */
-        const int *mine = chunk_ids + warp * 32 * PERMUTE_ROUNDS;
-        int *base = warp_base + warp * E;
-        for (int r = 0; r < PERMUTE_ROUNDS; r++) {
-            const int e = mine[r * 32 + lane];
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
-            __syncwarp();
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            int run = cursor[e];
-            for (int w = 0; w < nwarps; w++) {
-                const int c = warp_base[w * E + e];
-                warp_base[w * E + e] = run;
-                run += c;
-            }
-            cursor[e] = run;
-        }
-        __syncthreads();
-        for (int r = 0; r < PERMUTE_ROUNDS; r++) {
-            const int local = warp * 32 * PERMUTE_ROUNDS + r * 32 + lane, i = c0 + local;
-            const int e = chunk_ids[local];
-            const unsigned same = __match_any_sync(0xffffffffu, e);
-            if (e >= 0) {
-                const int p = base[e] + __popc(same & ((1u << lane) - 1u));
-                perm[p] = i;
-                inv[i] = p;
-            } else if (i < n) {
-                inv[i] = -1;
-            }
-            __syncwarp();
-            if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
-            __syncwarp();
-        }
-        __syncthreads();
+/* Stable scatter of the assignments [c0, c0 + blockDim.x * ROUNDS) that are below n, by every thread of
+ * one block: each warp ranks its 32 * ROUNDS assignments with __match_any_sync and takes its base from a
+ * per-warp, per-expert count, so within an expert positions follow t*k+j. cursor[e] (shared memory) is
+ * expert e's next free position and advances. warp_base: [nwarps, E] ints, chunk_ids: [blockDim.x * ROUNDS]. */
+template <int ROUNDS>
+__device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int n, int E, const PermuteArgs &o,
+                                                int *cursor, int *warp_base, int *chunk_ids) {
+    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunk = blockDim.x * ROUNDS;
+    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
+        const int e = c0 + i < n ? ids[c0 + i] : -1;
+        chunk_ids[i] = (unsigned)e < (unsigned)E ? e : -1;
     }
+    for (int i = threadIdx.x; i < nwarps * E; i += blockDim.x) warp_base[i] = 0;
+    __syncthreads();
+    /* warp w owns chunk_ids[w * 32 * ROUNDS, (w + 1) * 32 * ROUNDS) */
+    const int *mine = chunk_ids + warp * 32 * ROUNDS;
+    int *base = warp_base + warp * E;
+    for (int r = 0; r < ROUNDS; r++) {
+        const int e = mine[r * 32 + lane];
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = cursor[e];
+        for (int w = 0; w < nwarps; w++) {
+            const int c = warp_base[w * E + e];
+            warp_base[w * E + e] = run;
+            run += c;
+        }
+        cursor[e] = run;
+    }
+    __syncthreads();
+    for (int r = 0; r < ROUNDS; r++) {
+        const int local = warp * 32 * ROUNDS + r * 32 + lane, i = c0 + local;
+        const int e = chunk_ids[local];
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int p = base[e] + __popc(same & ((1u << lane) - 1u));
+            o.perm[p] = i;
+            o.inv[i] = p;
+        } else if (i < n) {
+            o.inv[i] = -1;
+        }
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
+        __syncwarp();
+    }
+    __syncthreads();
+}
+
+/* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). */
+__device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
+                                              int *smem) {
+    const int nwarps = blockDim.x >> 5;
+    const int chunk = blockDim.x * PERMUTE_ROUNDS;
+    int *count = smem;                       /* [E] */
+    int *cursor = count + E;                 /* [E] next free position of each expert */
+    int *warp_base = cursor + E;             /* [nwarps, E] */
+    int *chunk_ids = warp_base + nwarps * E; /* [chunk] */
+    int *warp_sums = chunk_ids + chunk;      /* [32] */
+
+    for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+    __syncthreads();
+    bool bad = false;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        if ((unsigned)e < (unsigned)E) atomicAdd(&count[e], 1);
+        else bad = true;
+    }
+    if (bad) *o.bad_id = 1;
+    __syncthreads();
+    permute_scan(count, E, tile_m, o, cursor, warp_sums);
+    for (int c0 = 0; c0 < n; c0 += chunk) permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids);
 }
 
 static inline size_t permute_smem_bytes(int threads, int E) {
     return sizeof(int) * ((size_t)2 * E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_ROUNDS + 32);
+}
+
+#define PERMUTE_MULTI_ROUNDS 4 /* multi-block permutation (permute.cu): rounds of 32 per warp, one chunk a block */
+
+/* Block size of the multi-block permutation: at most 8 warps, fewer for many experts (warps * E ints). */
+static inline int permute_multi_threads(int E) {
+    const int warps = 4096 / E;
+    return 32 * (warps < 1 ? 1 : warps > 8 ? 8 : warps);
+}
+static inline int permute_multi_blocks(int64_t n, int E) {
+    const int64_t chunk = (int64_t)permute_multi_threads(E) * PERMUTE_MULTI_ROUNDS;
+    return (int)((n + chunk - 1) / chunk);
+}
+static inline size_t permute_multi_smem_bytes(int E) {
+    const int threads = permute_multi_threads(E);
+    return sizeof(int) * ((size_t)E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_MULTI_ROUNDS);
 }
 
 static inline PermuteArgs permute_args(const CudaBackend *b) {

@@ -3,8 +3,13 @@
  * per token turns a row of logits into top-k ids and weights (colibri.h, colibri_routing_t).
  * Up to 8 tokens (decode): one kernel, a block per router row whose 256 threads split H so the whole
  * row is in flight at once, and the last block to finish (a counter in the workspace) picks the top-k
- * of every token and, inside a forward, groups the assignments by expert (permute.cuh) too. More tokens: the memory-bound gemv of gemv.cuh (the router is small and re-read from
- * L2 for each group of 8 tokens), then the top-k kernel.
+ * of every token and, inside a forward, groups the assignments by expert (permute.cuh) too.
+ * From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled fp32 SIMT GEMM (route_gemm_kernel),
+ * split along H when the tiles alone would not fill the GPU; the top-k kernel adds the splits' partial
+ * logits in split order.
+ * In between (and for rows that do not allow 4-element loads): the memory-bound gemv of gemv.cuh (the
+ * router is small and re-read from L2 for each group of 8 tokens), then the top-k kernel.
+ * Every path sums in a fixed order, so the logits, and the ids, are the same bits on every run.
  * A custom routing_fn is called here too, on the caller's stream, with device pointers.
  */
 #include <math.h>
@@ -112,12 +117,194 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
     for (int j = 0; j < k; j++) w_t[j] = w_t[j] / norm * p.scale;
 }
 
-/* One warp per token. */
-__global__ void __launch_bounds__(256) topk_kernel(const float *logits, int T, TopkArgs p) {
+/* One warp per token. After a split router GEMM (splits > 1) the warp first adds the partial logits
+ * of splits 1.. (part: [splits - 1, T, E]) to split 0's in split order and writes the sums back as the
+ * logits; with p.ids NULL (a routing_fn follows) that is all it does. */
+__global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *part, int splits, int T, TopkArgs p) {
     pdl_begin();
     const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= T) return;
-    topk_token(logits + (size_t)t * p.E, p, t, lane);
+    float *l = logits + (size_t)t * p.E;
+    if (splits > 1) {
+        for (int e = lane; e < p.E; e += 32) {
+            float v = l[e];
+            for (int s = 1; s < splits; s++) v += __ldcg(part + ((size_t)(s - 1) * T + t) * p.E + e);
+            l[e] = v;
+        }
+        __syncwarp(); /* lane 0 reads the chosen logits that other lanes wrote */
+    }
+    if (p.ids) topk_token(l, p, t, lane);
+}
+
+/* Router logits for many tokens: a BT tokens x BE experts tile of logits per block over the K range of
+ * split blockIdx.z (kchunk elements of H), x and router rows staged through shared memory as fp32 in
+ * ROUTE_BK-wide slices (double buffered; the next slice's global loads are in flight during this one's
+ * products). 256 threads, each TM tokens x 4 experts, strided by the thread grid so that a warp's
+ * float4 reads of the expert rows hit distinct banks and those of the token rows are broadcasts.
+ * Every output is one fp32 FMA chain along its K range (fixed order: bitwise repeatable). Split 0
+ * writes the logits, split s > 0 part[s - 1]. Rows are read 4 elements at a time: H % 4 == 0 and x
+ * 16-byte aligned. It runs at about a third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048); 8 x 8
+ * outputs per thread, which halve the shared-memory reads per FMA, were no faster (NOTES.md, v6). */
+#define ROUTE_BK 32
+#define ROUTE_LD (ROUTE_BK + 4) /* row stride of a shared slice: consecutive rows 4 banks apart */
+#define ROUTE_GEMM_THREADS 256
+
+template <class TX, int BT, int BE, int TM>
+__global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
+    route_gemm_kernel(const float *router, const TX *x, int T, int E, int H, int kchunk, float *logits, float *part) {
+    constexpr int TN = 4, TXT = BE / TN, TYT = ROUTE_GEMM_THREADS / TXT, V = ROUTE_BK / 4;
+    static_assert(TYT * TM == BT, "the thread grid covers the tile");
+    constexpr int NA = BT * V / ROUTE_GEMM_THREADS, NB = (BE * V + ROUTE_GEMM_THREADS - 1) / ROUTE_GEMM_THREADS;
+    __shared__ __align__(16) float sa[2][BT][ROUTE_LD];
+    __shared__ __align__(16) float sb[2][BE][ROUTE_LD];
+    pdl_begin();
+    const int tid = threadIdx.x, tx = tid % TXT, ty = tid / TXT;
+    const int t0 = blockIdx.x * BT, e0 = blockIdx.y * BE;
+    const int kbeg = blockIdx.z * kchunk, kend = min(H, kbeg + kchunk);
+    const int nk = (kend - kbeg + ROUTE_BK - 1) / ROUTE_BK;
+
+    Pack<TX, 4> ra[NA];
+    float4 rb[NB];
+    auto load = [&](int k0) { /* out of range: zeros, which leave the FMA chains unchanged */
+#pragma unroll
+        for (int m = 0; m < NA; m++) {
+            const int v = tid + m * ROUTE_GEMM_THREADS, t = t0 + v / V, k = k0 + (v % V) * 4;
+            if (t < T && k < kend) {
+                ra[m] = *reinterpret_cast<const Pack<TX, 4> *>(x + (size_t)t * H + k);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) ra[m].v[i] = from_f32<TX>(0.0f);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < NB; m++) {
+            const int v = tid + m * ROUTE_GEMM_THREADS, e = e0 + v / V, k = k0 + (v % V) * 4;
+            rb[m] = v < BE * V && e < E && k < kend ? __ldg(reinterpret_cast<const float4 *>(router + (size_t)e * H + k))
+                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    auto store = [&](int buf) {
+#pragma unroll
+        for (int m = 0; m < NA; m++) {
+            const int v = tid + m * ROUTE_GEMM_THREADS;
+            *reinterpret_cast<float4 *>(&sa[buf][v / V][(v % V) * 4]) =
+                make_float4(to_f32(ra[m].v[0]), to_f32(ra[m].v[1]), to_f32(ra[m].v[2]), to_f32(ra[m].v[3]));
+        }
+#pragma unroll
+        for (int m = 0; m < NB; m++) {
+            const int v = tid + m * ROUTE_GEMM_THREADS;
+            if (v < BE * V) *reinterpret_cast<float4 *>(&sb[buf][v / V][(v % V) * 4]) = rb[m];
+        }
+    };
+
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; i++)
+#pragma unroll
+        for (int j = 0; j < TN; j++) acc[i][j] = 0.0f;
+    load(kbeg);
+    store(0);
+    __syncthreads();
+    for (int kt = 0; kt < nk; kt++) {
+        const int buf = kt & 1;
+        if (kt + 1 < nk) load(kbeg + (kt + 1) * ROUTE_BK);
+#pragma unroll
+        for (int kk = 0; kk < ROUTE_BK; kk += 4) {
+            float4 a[TM], b[TN];
+#pragma unroll
+            for (int i = 0; i < TM; i++) a[i] = *reinterpret_cast<const float4 *>(&sa[buf][ty + TYT * i][kk]);
+#pragma unroll
+            for (int j = 0; j < TN; j++) b[j] = *reinterpret_cast<const float4 *>(&sb[buf][tx + TXT * j][kk]);
+#pragma unroll
+            for (int i = 0; i < TM; i++)
+#pragma unroll
+                for (int j = 0; j < TN; j++) {
+                    acc[i][j] = fmaf(a[i].x, b[j].x, acc[i][j]);
+                    acc[i][j] = fmaf(a[i].y, b[j].y, acc[i][j]);
+                    acc[i][j] = fmaf(a[i].z, b[j].z, acc[i][j]);
+                    acc[i][j] = fmaf(a[i].w, b[j].w, acc[i][j]);
+                }
+        }
+        /* the other buffer was last read in the previous slice, before the barrier that ended it */
+        if (kt + 1 < nk) store(buf ^ 1);
+        __syncthreads();
+    }
+    float *out = blockIdx.z == 0 ? logits : part + (size_t)(blockIdx.z - 1) * T * E;
+#pragma unroll
+    for (int i = 0; i < TM; i++) {
+        const int t = t0 + ty + TYT * i;
+        if (t >= T) continue;
+#pragma unroll
+        for (int j = 0; j < TN; j++) {
+            const int e = e0 + tx + TXT * j;
+            if (e < E) out[(size_t)t * E + e] = acc[i][j];
+        }
+    }
+}
+
+/* Where the GEMM takes over (ncu, H200, one forward each, bf16 input): with 64 experts it beat the gemv
+ * + top-k at T = 1024 (29.5 against 39.2 us) and T = 4096 (66 against 109) but not at T = 256 (24.3
+ * against 20.6: the top-k kernel adds 16 splits there); with 8 experts (Mixtral) never (T = 4096: the
+ * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). */
+#ifndef ROUTE_GEMM_MIN_T
+#define ROUTE_GEMM_MIN_T 1024
+#endif
+#define ROUTE_GEMM_MIN_E 17
+#define ROUTE_GEMM_MAX_SPLITS 16
+#define ROUTE_GEMM_BLOCKS_PER_SM 2 /* blocks per SM the split aims at (the kernel's launch bound) */
+
+/* Split of the router GEMM for T tokens: as many splits of H as fill about one wave of
+ * ROUTE_GEMM_BLOCKS_PER_SM blocks per SM, each at least one slice. */
+struct RouteGemmPlan {
+    int bt, be, splits, kchunk;
+};
+static RouteGemmPlan route_gemm_plan(int sm_count, int64_t T, int E, int H) {
+    RouteGemmPlan g;
+    g.be = 64;
+    g.bt = 64;
+    const int64_t tiles = ((T + g.bt - 1) / g.bt) * ((E + g.be - 1) / g.be);
+    const int ktiles = (H + ROUTE_BK - 1) / ROUTE_BK;
+    int64_t s = (int64_t)sm_count * ROUTE_GEMM_BLOCKS_PER_SM / tiles;
+    s = s < 1 ? 1 : s > ROUTE_GEMM_MAX_SPLITS ? ROUTE_GEMM_MAX_SPLITS : s;
+    s = s > ktiles ? ktiles : s;
+    const int per = (ktiles + (int)s - 1) / (int)s; /* slices per split */
+    g.kchunk = per * ROUTE_BK;
+    g.splits = (ktiles + per - 1) / per;
+    return g;
+}
+
+size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_count, int64_t tokens) {
+    const int E = ctx->cfg.num_experts, H = ctx->cfg.hidden_size;
+    size_t most = 0;
+    if (E < ROUTE_GEMM_MIN_E) return 0;
+    const int bt = route_gemm_plan(sm_count, 1, E, H).bt;
+    for (int64_t T = bt; T < tokens + bt; T += bt) { /* the plan changes with the number of token tiles */
+        const int64_t t = T < tokens ? T : tokens;
+        const size_t need = (size_t)(route_gemm_plan(sm_count, t, E, H).splits - 1) * (size_t)t * E;
+        most = need > most ? need : most;
+    }
+    return most;
+}
+
+static bool route_gemm_fits(const colibri_moe_context_t *ctx, int64_t T, const void *input) {
+    return T >= ROUTE_GEMM_MIN_T && ctx->cfg.num_experts >= ROUTE_GEMM_MIN_E && ctx->cfg.hidden_size % 4 == 0 &&
+           colibri_aligned16(input);
+}
+
+/* Returns the number of splits (the partial logits the top-k kernel must add), or 0 on a launch error. */
+static int launch_route_gemm(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype,
+                             const void *input, cudaStream_t stream, cudaError_t *err) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const int E = ctx->cfg.num_experts, H = ctx->cfg.hidden_size;
+    const RouteGemmPlan g = route_gemm_plan(b->sm_count, T, E, H);
+    const dim3 grid((unsigned)((T + g.bt - 1) / g.bt), (unsigned)((E + g.be - 1) / g.be), (unsigned)g.splits);
+    colibri_dispatch_dtype(act_dtype, [&](auto tx) {
+        using TX = typename decltype(tx)::type;
+        *err = colibri_launch(route_gemm_kernel<TX, 64, 64, 4>, grid, dim3(ROUTE_GEMM_THREADS), 0, stream,
+                              (const float *)b->router, (const TX *)input, (int)T, E, H, g.kchunk, b->logits,
+                              b->logits_part);
+    });
+    return g.splits;
 }
 
 /* Logits of T <= GEMV_GROUP tokens, block e = router row e, the 256 threads splitting H (VEC: 4
@@ -253,6 +440,8 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
     const bool small = b->router && num_tokens <= GEMV_GROUP;
+    const bool gemm = b->router && !small && route_gemm_fits(ctx, num_tokens, input);
+    int splits = 1;
     /* the permutation rides along where its shared memory fits the default 48 KB */
     const bool fuse = small && !c->routing_fn && permute_tile_m > 0 &&
                       permute_smem_bytes(256, c->num_experts) <= 48 * 1024;
@@ -260,10 +449,19 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
     if (small) {
         COLIBRI_CUDA_CHECK(launch_route_small(ctx, num_tokens, act_dtype, input, c->routing_fn ? NULL : topk_ids,
                                               topk_weights, fuse ? permute_tile_m : 0, stream));
+    } else if (gemm) {
+        cudaError_t err = cudaSuccess;
+        splits = launch_route_gemm(ctx, num_tokens, act_dtype, input, stream, &err);
+        COLIBRI_CUDA_CHECK(err);
     } else if (b->router) {
         COLIBRI_CUDA_CHECK(launch_logits(ctx, num_tokens, act_dtype, input, stream));
     }
+    const unsigned topk_blocks = (unsigned)((num_tokens + 7) / 8);
     if (c->routing_fn) {
+        if (splits > 1) /* the routing_fn gets whole logits */
+            COLIBRI_CUDA_CHECK(colibri_launch(topk_kernel, dim3(topk_blocks), dim3(256), 0, stream, b->logits,
+                                              (const float *)b->logits_part, splits, (int)num_tokens,
+                                              topk_args(c, b->router_bias, NULL, NULL)));
         colibri_status_t st = c->routing_fn(c->routing_user_data, num_tokens, c->num_experts, c->top_k, act_dtype,
                                             input, b->router ? b->logits : NULL, topk_ids, topk_weights, stream);
         if (st != COLIBRI_OK)
@@ -273,7 +471,7 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
     }
     if (small) return COLIBRI_OK;
     const TopkArgs p = topk_args(c, b->router_bias, topk_ids, topk_weights);
-    COLIBRI_CUDA_CHECK(colibri_launch(topk_kernel, dim3((unsigned)((num_tokens + 7) / 8)), dim3(256), 0, stream,
-                                      (const float *)b->logits, (int)num_tokens, p));
+    COLIBRI_CUDA_CHECK(colibri_launch(topk_kernel, dim3(topk_blocks), dim3(256), 0, stream, b->logits,
+                                      (const float *)b->logits_part, splits, (int)num_tokens, p));
     return COLIBRI_OK;
 }
