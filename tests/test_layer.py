@@ -454,6 +454,30 @@ def test_nonfinite_rows_names_each_arrays_first_bad_row(rng, dtype):
     assert colibri.nonfinite_rows(arrays) == expected
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_nonfinite_rows_by_part_names_each_parts_first_bad_row(rng, dtype):
+    """One array made of consecutive parts (a server's joined batch): each part's first bad row,
+    counted within the part, as nonfinite_rows gives it for the parts apart."""
+    parts, expected = [], []
+    for T in (1, 2, 5, 64, 513, 3, 9):
+        stored, bad = hidden_with_nonfinite_rows(rng, T, 48, dtype)
+        parts.append(stored)
+        expected.append(bad[0] if bad else None)
+    clean, _ = random_hidden(rng, 4, 48, dtype)
+    dirty, _ = random_hidden(rng, 6, 48, dtype)
+    dirty.view(BITS_VIEW[dtype])[2, rng.integers(48)] = rng.choice(NONFINITE_BITS[dtype])
+    dirty.view(BITS_VIEW[dtype])[5, rng.integers(48)] = rng.choice(NONFINITE_BITS[dtype])
+    parts[3:3] = [clean, dirty]
+    expected[3:3] = [None, 2]
+    lengths = [part.shape[0] for part in parts]
+    joined = np.concatenate(parts)
+    assert colibri.nonfinite_rows_by_part(as_input(joined, dtype), lengths) == expected
+    assert colibri.nonfinite_rows_by_part(as_input(joined, dtype).__dlpack__(), lengths) == expected
+    assert colibri.nonfinite_rows_by_part(None, [3, 4]) == [None, None]
+    with pytest.raises(colibri.ColibriError, match=r"hidden_states: parts of \[1, 2\] rows do not make up its 4 rows"):
+        colibri.nonfinite_rows_by_part(as_input(joined[:4], dtype), [1, 2])
+
+
 def test_forward_check_finite_refuses_naming_the_row(rng, small_layer):
     config, experts, router, layer = small_layer
     x = rng.standard_normal((6, config.hidden_size)).astype(np.float32)
@@ -497,6 +521,26 @@ def test_cuda_nonfinite_rows_one_synchronisation(rng, dtype, monkeypatch):
     assert colibri.nonfinite_rows(arrays) == expected
     libraries = {type(c).__module__.split(".")[0] for c in copies}
     assert len(copies) == len(libraries) <= 2, copies
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_cuda_nonfinite_rows_by_part_one_synchronisation(rng, dtype, monkeypatch):
+    torch = _gpu_library("torch")
+    from colibri import layer as layer_module
+    copies = []
+    to_host = layer_module._device_to_host
+    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    parts, expected = [], []
+    for T in (1, 3, 64, 513, 7, 2):
+        stored, bad = hidden_with_nonfinite_rows(rng, T, 40, dtype)
+        parts.append(stored)
+        expected.append(bad[0] if bad else None)
+    joined = np.concatenate(parts)
+    on_gpu = torch.from_numpy(joined.view(np.int32 if dtype == "fp32" else np.int16)).cuda().view(torch_dtype)
+    assert colibri.nonfinite_rows_by_part(on_gpu, [part.shape[0] for part in parts]) == expected
+    assert len(copies) == 1, copies
 
     if dtype != "bf16":  # cupy has no bfloat16; a cupy array alone: one copy, with cupy
         cupy = _gpu_library("cupy")

@@ -6,7 +6,8 @@
 from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUMENT, STATUS_OK,
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
 from colibri.dlpack import Tensor
-from colibri.layer import LayerConfig, MoELayer, nonfinite_rows
+from colibri.layer import (LayerConfig, MoELayer, nonfinite_rows, nonfinite_rows_by_part,
+                           nonfinite_rows_by_part_later)
 
 __version__ = ffi.string(lib.colibri_version()).decode()
 
@@ -21,5 +22,6 @@ def cuda_device_count() -> int:
 
 
 __all__ = ["ColibriError", "LayerConfig", "MoELayer", "Tensor", "cuda_built", "cuda_device_count", "nonfinite_rows",
+           "nonfinite_rows_by_part", "nonfinite_rows_by_part_later",
            "STATUS_OK", "STATUS_INVALID_ARGUMENT", "STATUS_OUT_OF_MEMORY", "STATUS_UNSUPPORTED", "STATUS_CUDA",
            "STATUS_ROUTING", "STATUS_INTERNAL"]
