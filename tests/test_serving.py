@@ -327,14 +327,18 @@ def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rn
     """bench/serving/compare.py's per-run server figures, against this real tritonserver."""
     compare = import_compare()
     host = f"http://{server.http_url}"
-    before = compare.model_stats(host, MODEL)
+    before = compare.model_stats(host, MODEL, server.metrics_url)
     for tokens in (3, 5):
         inputs, expected = good_request(layer, rng, tokens)
         assert_close(grpc_infer(server.grpc_url, inputs), expected)
-    side = compare.server_side(before, compare.model_stats(host, MODEL))
+    side = compare.server_side(before, compare.model_stats(host, MODEL, server.metrics_url))
     assert side["requests"] == 2 and 1 <= side["executions"] <= 2, side
     assert side["requests_per_execution"] == pytest.approx(2 / side["executions"])
     assert side["compute_infer_ms"] > 0 and all(side[f"{s}_ms"] >= 0 for s in compare.STAGES), side
+    # colibri_forward_seconds: one observation per execution, within that execution's compute_infer
+    # (compute_infer_ms is per request, so a request's batch time; the forward span is part of it).
+    assert 0 < side["forward_ms_per_execution"] <= side["compute_infer_ms"] * side["requests_per_execution"], side
+    assert compare.server_side(before, before)["forward_ms_per_execution"] is None
     assert "inside tritonserver" in compare.server_table([{"run": "r", "model": MODEL, **side}])
 
 

@@ -147,14 +147,29 @@ COLORS = {"identity": "tab:gray", "torch_moe": "tab:red", "colibri_moe": "tab:bl
 STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
-def model_stats(host: str, model: str) -> dict:
-    """tritonserver's cumulative statistics of one model (the statistics extension)."""
+def model_stats(host: str, model: str, metrics_url: str = None) -> dict:
+    """tritonserver's cumulative statistics of one model (the statistics extension), and from
+    metrics_url (/metrics) the sum and count of its colibri_forward_seconds where it has them."""
     with urllib.request.urlopen(f"{host}/v2/models/{model}/stats", timeout=10) as reply:
         stats = json.load(reply)["model_stats"][0]
     stages = stats["inference_stats"]
     # inference_count counts batch rows (tokens here); a request is one success
     counts = {"requests": int(stages["success"]["count"]), "executions": int(stats["execution_count"])}
+    if metrics_url:
+        with urllib.request.urlopen(metrics_url, timeout=10) as reply:
+            counts.update(forward_seconds(reply.read().decode(), model))
     return {**counts, **{stage: int(stages[stage]["ns"]) for stage in STAGES}}
+
+
+def forward_seconds(metrics_text: str, model: str) -> dict:
+    """{"forward_s": sum, "forward_n": count} of model's colibri_forward_seconds histogram in a
+    Prometheus text page; {} if the model reports none (torch_moe, identity)."""
+    found = {}
+    for line in metrics_text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in ("colibri_forward_seconds_sum", "colibri_forward_seconds_count") and f'model="{model}"' in rest:
+            found["forward_s" if name.endswith("sum") else "forward_n"] = float(line.rsplit(" ", 1)[1])
+    return found if len(found) == 2 else {}
 
 
 def server_side(before: dict, after: dict) -> dict:
@@ -166,14 +181,22 @@ def server_side(before: dict, after: dict) -> dict:
     out = {"requests": n, "executions": runs, "requests_per_execution": n / runs if runs else None}
     for stage in STAGES:
         out[f"{stage}_ms"] = (after[stage] - before[stage]) / n / 1e6 if n else None
+    # colibri_moe's own span per batch (joining, the layer, the answers, the wait for the GPU): the
+    # rest of an execution's compute_infer is the Python backend's work and model.py's input checks.
+    forwards = after.get("forward_n", 0) - before.get("forward_n", 0)
+    out["forward_ms_per_execution"] = ((after["forward_s"] - before["forward_s"]) / forwards * 1e3
+                                       if forwards > 0 else None)
     return out
 
 
 def server_table(server_runs) -> str:
-    lines = ["inside tritonserver, per request (mean ms; compute_infer is its whole batch's time):",
-             f"{'run':44} {'req/exec':>8} {'queue':>8} {'input':>8} {'infer':>8} {'output':>8}"]
+    lines = ["inside tritonserver, per request (mean ms; compute_infer is its whole batch's time); "
+             "forward: colibri_moe's span per batch (colibri_forward_seconds):",
+             f"{'run':44} {'req/exec':>8} {'queue':>8} {'input':>8} {'infer':>8} {'output':>8} {'forward':>8}"]
     for r in server_runs:
         cells = [f"{r[f'{stage}_ms']:8.2f}" if r[f"{stage}_ms"] is not None else f"{'-':>8}" for stage in STAGES]
+        forward = r.get("forward_ms_per_execution")
+        cells.append(f"{'-':>8}" if forward is None else f"{forward:8.2f}")
         per = "-" if r["requests_per_execution"] is None else f"{r['requests_per_execution']:.2f}"
         lines.append(f"{r['run']:44} {per:>8} " + " ".join(cells))
     return "\n".join(lines)
@@ -348,14 +371,15 @@ def main(argv=None) -> int:
                     args.dtype, args.out / "tritonserver.log", args.cuda_memory_pool_mb, args.instances) as server:
             def load(folder, model, mix, protocol, rate=0.0, steps=""):
                 started = time.monotonic()
-                before = model_stats(server.host, model)
+                metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+                before = model_stats(server.host, model, metrics_url)
                 summary = loadtest.run_load(
                     args.out / folder, host=server.host, grpc_url=server.grpc_url, model=model, users=args.users,
                     run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
                     hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
                     step_time=args.step_time, quiet=True)
                 server_runs.append({"run": folder, "model": model,
-                                    **server_side(before, model_stats(server.host, model))})
+                                    **server_side(before, model_stats(server.host, model, metrics_url))})
                 t = summary["total"]
                 print(f"  {folder}: {t['requests']} requests, {t['failures']} failed, P99 {t['p99_ms']:.2f} ms, "
                       f"{t['throughput_rps']:.1f} req/s ({time.monotonic() - started:.0f} s)", flush=True)
