@@ -55,7 +55,9 @@ PROFILES = ("decode", "prefill")
 MIX_PRESETS = {"decode-heavy": "decode:9,prefill:1", "prefill-heavy": "decode:1,prefill:3",
                "decode": "decode:1", "prefill": "prefill:1"}
 # Triton activation types -> (wire datatype, numpy dtype tritonclient takes). BF16 travels as float32
-# values that tritonclient rounds (as client/common.py does).
+# values that tritonclient truncates to bf16 element by element in Python (serialize_bf16_tensor):
+# for prompts that work saturates a load generator, whose gevent loop then stalls every user's timing
+# (bench/serving/README.md, "On the CPU"); over CUDA shared memory bf16 is written as bits instead.
 WIRE_TYPES = {"TYPE_FP32": ("FP32", np.float32), "TYPE_FP16": ("FP16", np.float16),
               "TYPE_BF16": ("BF16", np.float32)}
 REQUEST_TIMEOUT_S = 120.0
