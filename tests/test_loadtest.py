@@ -117,3 +117,43 @@ def test_sweep_picks_the_highest_throughput_within_the_budget():
     assert generous["best"]["users"] == 8 and generous["lower_bound"]
     text = compare.sweep_table([generous, compare.sweep_result("torch_moe", summary, "prefill", 60.0)], "prefill", 1000.0)
     assert "colibri/torch: at least 1.80x" in text and "lower bound" in text, text
+
+
+BF16_CHECK = r"""
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils
+import locustfile
+
+rng = np.random.default_rng(int(__import__("sys").argv[1]))
+special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-40, -1e-40, 3.4e38, 65504.0], np.float32)
+for shape in [(1, 7), (5, 64), (33, 130)]:
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
+    x.flat[rng.choice(x.size, min(x.size, len(special)), replace=False)] = special[:min(x.size, len(special))]
+    for array in (x, np.asfortranarray(x), x[:, ::-1]):  # any memory order packs as C order
+        expected = tritonclient.utils.serialize_bf16_tensor(array).item()
+        assert locustfile.serialize_bf16_tensor(array).item() == expected, shape
+        sent = grpcclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(array)._get_content()
+        assert sent == expected, shape
+        sent = httpclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(array)._get_binary_data()
+        assert sent == expected, shape
+assert locustfile.serialize_bf16_tensor(np.zeros((0, 4), np.float32)).size == 0
+try:
+    locustfile.serialize_bf16_tensor(np.zeros((2, 2), np.float64))
+except tritonclient.utils.InferenceServerException:
+    pass
+else:
+    raise AssertionError("a float64 array was packed")
+print("ok")
+"""
+
+
+def test_bf16_inputs_are_packed_as_tritonclient_packs_them(rng):
+    """The load generator packs BF16 inputs with its own vectorised packer (tritonclient's loops over the
+    elements in Python and saturated it): the same bytes as tritonclient's, through both protocols'
+    InferInput, for any memory order, NaN, Inf, signed zeros and subnormals included. In a subprocess:
+    importing Locust patches the standard library for gevent."""
+    result = subprocess.run([sys.executable, "-c", BF16_CHECK, str(int(rng.integers(2**31)))],
+                            cwd=REPO_ROOT / "loadtest", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
