@@ -124,6 +124,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils
+import tritonclient.grpc._infer_input, tritonclient.grpc._infer_result
+import tritonclient.http._infer_input, tritonclient.http._infer_result
 import locustfile
 
 rng = np.random.default_rng(int(__import__("sys").argv[1]))
@@ -138,7 +140,16 @@ for shape in [(1, 7), (5, 64), (33, 130)]:
         assert sent == expected, shape
         sent = httpclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(array)._get_binary_data()
         assert sent == expected, shape
+        decoded = tritonclient.utils.deserialize_bf16_tensor(expected)
+        ours = locustfile.deserialize_bf16_tensor(expected)
+        assert ours.shape == decoded.shape and ours.dtype == decoded.dtype, (ours.shape, decoded.shape)
+        assert ours.tobytes() == decoded.tobytes(), shape  # NaN payloads included
+for module in (tritonclient.grpc._infer_input, tritonclient.http._infer_input):
+    assert module.serialize_bf16_tensor is locustfile.serialize_bf16_tensor, module
+for module in (tritonclient.grpc._infer_result, tritonclient.http._infer_result):
+    assert module.deserialize_bf16_tensor is locustfile.deserialize_bf16_tensor, module
 assert locustfile.serialize_bf16_tensor(np.zeros((0, 4), np.float32)).size == 0
+assert locustfile.deserialize_bf16_tensor(b"").shape == (0, 1)
 try:
     locustfile.serialize_bf16_tensor(np.zeros((2, 2), np.float64))
 except tritonclient.utils.InferenceServerException:
@@ -150,10 +161,10 @@ print("ok")
 
 
 def test_bf16_inputs_are_packed_as_tritonclient_packs_them(rng):
-    """The load generator packs BF16 inputs with its own vectorised packer (tritonclient's loops over the
-    elements in Python and saturated it): the same bytes as tritonclient's, through both protocols'
-    InferInput, for any memory order, NaN, Inf, signed zeros and subnormals included. In a subprocess:
-    importing Locust patches the standard library for gevent."""
+    """The load generator packs BF16 inputs and unpacks BF16 answers with its own vectorised functions
+    (tritonclient's loop over the elements in Python and saturated it): the same bytes and values as
+    tritonclient's, through both protocols' InferInput, for any memory order, NaN, Inf, signed zeros
+    and subnormals included. In a subprocess: importing Locust patches the standard library for gevent."""
     result = subprocess.run([sys.executable, "-c", BF16_CHECK, str(int(rng.integers(2**31)))],
                             cwd=REPO_ROOT / "loadtest", capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
