@@ -84,7 +84,13 @@ def load_model(monkeypatch, weights, kind="CPU", device_id=0, parameters=None):
     config parameters {key: string value}."""
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", sys.modules[__name__])
     monkeypatch.setenv("COLIBRI_WEIGHTS", str(weights))
-    spec = importlib.util.spec_from_file_location("colibri_moe_model_under_test", MODEL_PY)
+    return initialize(MODEL_PY, "colibri_moe", weights, kind, device_id, parameters)
+
+
+def initialize(model_py, name, weights, kind="CPU", device_id=0, parameters=None):
+    """The TritonPythonModel of the model.py at model_py, initialized as Triton would for an instance
+    of kind; triton_python_backend_utils must already be this module and COLIBRI_WEIGHTS set."""
+    spec = importlib.util.spec_from_file_location(f"{name}_model_under_test", model_py)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.TritonPythonModel()
@@ -92,7 +98,7 @@ def load_model(monkeypatch, weights, kind="CPU", device_id=0, parameters=None):
     config = {"parameters": {key: {"string_value": value} for key, value in (parameters or {}).items()}}
     model.initialize({"model_config": json.dumps(config), "model_instance_kind": kind,
                       "model_instance_device_id": str(device_id), "model_repository": str(weights.parent),
-                      "model_version": "1", "model_name": "colibri_moe"})
+                      "model_version": "1", "model_name": name})
     return model
 
 

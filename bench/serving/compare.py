@@ -103,6 +103,7 @@ class Server:
             stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         self.host = f"http://127.0.0.1:{self.http_port}"
         self.grpc_url = f"127.0.0.1:{self.grpc_port}"
+        self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def __enter__(self):
         try:
@@ -371,15 +372,14 @@ def main(argv=None) -> int:
                     args.dtype, args.out / "tritonserver.log", args.cuda_memory_pool_mb, args.instances) as server:
             def load(folder, model, mix, protocol, rate=0.0, steps=""):
                 started = time.monotonic()
-                metrics_url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-                before = model_stats(server.host, model, metrics_url)
+                before = model_stats(server.host, model, server.metrics_url)
                 summary = loadtest.run_load(
                     args.out / folder, host=server.host, grpc_url=server.grpc_url, model=model, users=args.users,
                     run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
                     hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
                     step_time=args.step_time, quiet=True)
                 server_runs.append({"run": folder, "model": model,
-                                    **server_side(before, model_stats(server.host, model, metrics_url))})
+                                    **server_side(before, model_stats(server.host, model, server.metrics_url))})
                 t = summary["total"]
                 print(f"  {folder}: {t['requests']} requests, {t['failures']} failed, P99 {t['p99_ms']:.2f} ms, "
                       f"{t['throughput_rps']:.1f} req/s ({time.monotonic() - started:.0f} s)", flush=True)
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
                                    args.sweep_protocol, steps=args.sweep)
                     sweeps.append(sweep_result(model, summary, args.budget_profile, args.budget_ms))
             # colibri_forward_seconds and the expert counters, for the record
-            with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10) as reply:
+            with urllib.request.urlopen(server.metrics_url, timeout=10) as reply:
                 (args.out / "metrics.txt").write_bytes(reply.read())
     ratios = compare(runs)
     result = {"shape": shape, "weights": str(args.weights), "users": args.users, "time": args.time,

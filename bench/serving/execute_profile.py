@@ -10,8 +10,8 @@ difference, the host's share; then the functions colibri_moe's execute spends it
 """
 import argparse
 import cProfile
-import importlib.util
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -34,13 +34,8 @@ MODELS = {"colibri_moe": ROOT / "model_repository" / "colibri_moe" / "1" / "mode
 
 def load(name, weights):
     sys.modules["triton_python_backend_utils"] = fake_backend
-    spec = importlib.util.spec_from_file_location(f"{name}_under_profile", MODELS[name])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    model = module.TritonPythonModel()
-    model.initialize({"model_config": "{}", "model_instance_kind": "GPU", "model_instance_device_id": "0",
-                      "model_repository": str(weights.parent), "model_version": "1", "model_name": name})
-    return model
+    os.environ["COLIBRI_WEIGHTS"] = str(weights)
+    return fake_backend.initialize(MODELS[name], name, weights, kind="GPU")
 
 
 def batches(count, requests, tokens, H, dtype, seed=0):
@@ -102,8 +97,6 @@ def main(argv=None):
         if weights is None:
             weights = Path(tmp) / "demo.colibri"
             write_demo(weights, E, k, H, F, "bf16")
-        import os
-        os.environ["COLIBRI_WEIGHTS"] = str(weights)
         warm = batches(3, args.requests, tokens, H, dtype, seed=1)
         work = batches(args.batches, args.requests, tokens, H, dtype)
         mean_tokens = statistics.mean(sum(r["hidden_states"].array.shape[0] for r in b) for b in work)

@@ -166,9 +166,9 @@ class TritonPythonModel:
         try:
             joined = [None if members[0][1][j] is None else self.batch.join([inputs[j] for _, inputs in members])
                       for j in range(len(INPUTS))]
-            bad_rows = self._nonfinite_rows_later(members, joined[0])
+            finish_check = self._nonfinite_rows_later(members, joined[0])
             out = self.layer.forward(*joined)
-            bad_rows = bad_rows()  # on a GPU this waits for the forward
+            bad_rows = finish_check()  # on a GPU this waits for the forward
             start = 0
             for (index, inputs), bad_row in zip(members, bad_rows):
                 stop = start + inputs[0].shape()[0]
