@@ -442,7 +442,9 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
     }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
-        if (tile_m == WG_BM && b->wgmma) return wgmma_launch<TW, GLU>(a, slots, b->sm_count, stream);
+        if (tile_m == WG_BM && b->wgmma)
+            return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
+                                         stream);
         const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, narrow, stream);
     }

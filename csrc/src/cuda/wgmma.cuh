@@ -14,10 +14,11 @@
  * of row r at c ^ (r & 7) (swz<64>) are exactly the 128-byte swizzle of wgmma's K-major operands when
  * each operand starts on 1024 bytes. Warpgroup w multiplies token rows [64w, 64w + 64) by all 256
  * weight rows: one m64n256k16 per 16 k, its 128 fp32 accumulators per thread in registers. A stage's
- * products run while the next stages load; a slot is refilled only after both warpgroups waited for
- * the products that read it (wgmma.wait_group 1 leaves the newest group running). The grid is one
- * block per SM, each walking (tile, column block) items with the ring running on across them
- * (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4.
+ * products run while the next 2 stages load (3 where the experts have less than a tile of rows each
+ * and the weights stream from HBM); a slot is refilled only after both warpgroups waited for the
+ * products that read it (wgmma.wait_group 1 leaves the newest group running; 0 with 3 ahead). The
+ * grid is one block per SM, each walking (tile, column block) items with the ring running on across
+ * them (wgmma_kernel); measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4 and v9.
  *
  * Epilogue (the tensor cores idle while it runs): each warp converts its 16 rows (SWIGLU: silu(gate) *
  * up, silu through one tanh.approx), writes them with stmatrix into a staging buffer of 34 KB behind the
@@ -135,8 +136,15 @@ __device__ __forceinline__ void wg_item(int it, int tiles, int nblocks, int &til
 }
 
 /* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
- * so the next item's first stages load while this one's last products and epilogue run. */
-template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
+ * so the next item's first stages load while this one's last products and epilogue run.
+ * AHEAD: stages the loader runs ahead of the products. 2 (the compute-bound tiles): a slot is refilled
+ * while the products of the stage before it may still run (wgmma.wait_group 1). 3 (tiles of experts
+ * with fewer rows than one tile on average, where the weights stream from HBM): 48 KB more in flight
+ * per SM, bought with wgmma.wait_group 0 at every stage, whose drain the memory-bound tiles can
+ * afford (NOTES.md, v9). */
+template <class T, bool GLU, int AHEAD>
+__global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
+    static_assert(AHEAD == 2 || AHEAD == 3, "a free ring slot is left for the products");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int A_PER_T = WG_BM * 8 / WG_THREADS, B_PER_T = WG_BN * 8 / WG_THREADS;
@@ -149,7 +157,7 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
     extern __shared__ char smem[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
 
-    /* The loader runs WG_STAGES - 2 stages ahead of the products, possibly in the next item. Thread tid
+    /* The loader runs AHEAD stages ahead of the products, possibly in the next item. Thread tid
      * copies 16-byte chunk c of rows r0 + i * ROW_STEP of A and of B; all those rows share r & 7, so
      * one swizzled offset serves them all. */
     const int c = tid & 7, r0 = tid >> 3;
@@ -203,7 +211,7 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
 
     if (ld_item < items) loader_item();
 #pragma unroll
-    for (int s = 0; s < WG_STAGES - 2; s++) {
+    for (int s = 0; s < AHEAD; s++) {
         load_next(s);
         cp_async_commit();
     }
@@ -216,10 +224,10 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
 #pragma unroll
         for (int i = 0; i < 128; i++) acc[i] = 0.0f;
         for (int kt = 0; kt < ktiles; kt++) {
-            cp_async_wait<WG_STAGES - 3>();
+            cp_async_wait<AHEAD - 1>();
             /* cp.async wrote through the generic proxy; wgmma reads through the async proxy */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-            /* also: every warpgroup is past its wait for the products of two stages ago */
+            /* also: every warpgroup is past its wait for the products of the slot refilled below */
             __syncthreads();
             const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
             asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -227,10 +235,11 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
             for (int ks = 0; ks < WG_BK / 16; ks++)
                 wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-            /* refill the slot of two stages ago while these products run */
-            load_next((stage + WG_STAGES - 2) % WG_STAGES);
+            /* refill the slot of WG_STAGES - AHEAD stages ago while these products run */
+            load_next((stage + AHEAD) % WG_STAGES);
             cp_async_commit();
-            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            if constexpr (AHEAD == 2) asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            else asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
             stage = (stage + 1) % WG_STAGES;
         }
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -279,11 +288,11 @@ template <class T, bool GLU> __global__ void __launch_bounds__(WG_THREADS, 1) wg
                           (uint32_t)min(WG_OUT_COLS, a.n - col0) * 2);
         asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         if constexpr (!GLU) {
-            /* the last two ring slots the products read: free once both warpgroups are past their
-             * wait_group 0 (this barrier) until the loader refills them, after the next item's first
-             * and second __syncthreads */
+            /* the ring slot the loader fills next (the last but one the products read; the last with
+             * AHEAD 3): free once both warpgroups are past their wait_group 0 (this barrier) until the
+             * loader refills it, after the next item's first __syncthreads */
             __syncthreads();
-            const uint32_t spare = sbase + (uint32_t)((stage + 2) % WG_STAGES) * WG_STAGE_BYTES +
+            const uint32_t spare = sbase + (uint32_t)((stage + AHEAD) % WG_STAGES) * WG_STAGE_BYTES +
                                    (tid >> 5) * WG_OUT_WARP_BYTES;
             stage_half(spare, 1);
             __syncwarp();
@@ -331,14 +340,19 @@ static bool wgmma_available(int device) {
 }
 
 template <class T, bool GLU> static cudaError_t wgmma_setup_one() {
-    return cudaFuncSetAttribute(wgmma_kernel<T, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+    cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, GLU, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         WG_SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    return cudaFuncSetAttribute(wgmma_kernel<T, GLU, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
 }
 
-/* One block per SM (at most one per item the tile table can hold). */
+/* One block per SM (at most one per item the tile table can hold). `streaming`: the experts have fewer
+ * rows than one tile on average, so the weights stream from HBM: the loader runs 3 stages ahead. */
 template <class T, bool GLU>
-static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, cudaStream_t stream) {
+static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, bool streaming, cudaStream_t stream) {
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
     const int64_t most = slots * ((a.n + COLS - 1) / COLS);
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    return colibri_launch(wgmma_kernel<T, GLU>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
+    if (streaming) return colibri_launch(wgmma_kernel<T, GLU, 3>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
+    return colibri_launch(wgmma_kernel<T, GLU, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
