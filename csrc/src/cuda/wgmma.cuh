@@ -220,28 +220,46 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
     const int lane = tid & 31;
     float acc[128];
     int stage = 0; /* ring position of the products' next stage */
-    for (int it = blockIdx.x; it < items; it += gridDim.x) {
-#pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    /* The k loop of one item. MMA false: this warpgroup's 64 rows of the tile are all past its end (a
+     * tile of at most 64 rows, the last of an expert whose rows are not a multiple of 128): it only
+     * keeps the loads and the barriers going, and warpgroup 0's products have the tensor cores of the
+     * SM to themselves. Two copies of the loop, not a branch around the wgmma inside it, which would
+     * make ptxas serialise every wgmma (NOTES.md, v9 A). */
+    auto k_loop = [&](auto mma_tag) {
+        constexpr bool MMA = decltype(mma_tag)::value;
         for (int kt = 0; kt < ktiles; kt++) {
             cp_async_wait<AHEAD - 1>();
             /* cp.async wrote through the generic proxy; wgmma reads through the async proxy */
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             /* also: every warpgroup is past its wait for the products of the slot refilled below */
             __syncthreads();
-            const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
-            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+            if constexpr (MMA) {
+                const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-            for (int ks = 0; ks < WG_BK / 16; ks++)
-                wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
-            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                for (int ks = 0; ks < WG_BK / 16; ks++)
+                    wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32),
+                              wg_desc(st + WG_A_BYTES + ks * 32));
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            }
             /* refill the slot of WG_STAGES - AHEAD stages ago while these products run */
             load_next((stage + AHEAD) % WG_STAGES);
             cp_async_commit();
-            if constexpr (AHEAD == 2) asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-            else asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            if constexpr (MMA) {
+                if constexpr (AHEAD == 2) asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                else asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            }
             stage = (stage + 1) % WG_STAGES;
         }
+    };
+    for (int it = blockIdx.x; it < items; it += gridDim.x) {
+        int ti, nb;
+        wg_item(it, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
+        else k_loop(std::false_type{});
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 
         /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4
@@ -251,9 +269,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
          * engine stores them, a row per lane, while the threads go on to the next item's products; the
          * second 128 columns of a linear item (no room for them there) go through a ring slot that is free
          * until the next item's first k steps, with 16-byte stores. */
-        int ti, nb;
-        wg_item(it, tiles, nblocks, ti, nb);
-        const ExpertTile tile = a.tiles[ti];
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
         /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
         const uint32_t lane_off = ((lane & 7) + (lane & 8)) * WG_OUT_ROW_BYTES + (lane >> 4) * 16;
