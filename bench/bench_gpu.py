@@ -10,7 +10,8 @@ Every time is the median of many CUDA-event timings of one call, with L2 flushed
 
 Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
 times other builds of the library on the same inputs in the same run (old code against new), each
-loaded into its own ctypes handle with its own copy of the weights.
+loaded into its own ctypes handle with its own copy of the weights; the builds' replays are timed in
+turn, one of each per round, so that the GPU's clock drift over the run reaches them alike.
 """
 import argparse
 import ctypes
@@ -81,18 +82,26 @@ class Timer:
         self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
 
     def __call__(self, fn, warmup=3):
+        return self.interleaved([fn], warmup)[0]
+
+    def interleaved(self, fns, warmup=3):
+        """Medians of several functions timed in turn, one call of each per round: a drift of the clocks
+        during the run (these GEMMs are power-limited, and the GPU slows as it warms) then reaches all of
+        them alike instead of favouring whichever ran first."""
         for _ in range(warmup):
-            fn()
-        times = []
+            for fn in fns:
+                fn()
+        times = [[] for _ in fns]
         for _ in range(self.reps):
-            self.flush.zero_()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
+            for fn, ts in zip(fns, times):
+                self.flush.zero_()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+        return [statistics.median(ts) for ts in times]
 
 
 def ceilings(timer):
@@ -179,15 +188,14 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             out = torch.empty_like(x)
 
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)
-            compare = {}
-            for label, l in others:
-                graph = capture(l, ctxs[label], T, x, out)
-                err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                compare[label] = dict(colibri_ms=timer(graph.replay), rel_err_vs_eager=err)
-                del graph
-            graph = capture(lib, ctxs[""], T, x, out)
-            rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            t_col = timer(graph.replay)
+            graphs, errs = {}, {}
+            for label, l in others + [("", lib)]:  # every build's graph, each checked right after its capture
+                graphs[label] = capture(l, ctxs[label], T, x, out)
+                errs[label] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            labels = [""] + [label for label, _ in others]
+            times = dict(zip(labels, timer.interleaved([graphs[label].replay for label in labels])))
+            compare = {label: dict(colibri_ms=times[label], rel_err_vs_eager=errs[label]) for label, _ in others}
+            rel_err, t_col = errs[""], times[""]
             t_eager = timer(lambda: hf_eager(x, router, w1, w3, w2, k, renorm))
             try:
                 t_grouped = timer(lambda: grouped(x, router, w1t, w3t, w2t, k, renorm))
@@ -210,7 +218,7 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
                   f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}"
                   + "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build x{c['colibri_ms'] / t_col:.2f}"
                             for lb, c in compare.items()), flush=True)
-            del graph
+            del graphs
     finally:
         for label, l in [("", lib)] + others:
             if label in ctxs:
