@@ -62,9 +62,10 @@ struct CudaBackend {
     void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
+    bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
-    int mma16_blocks_per_sm[2][2]; /* [GLU][narrow]: occupancy of the 16-row tensor-core kernels */
+    int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
     size_t permute_smem;
 };
 

@@ -8,7 +8,8 @@
  *  - otherwise (16-bit weights): a tensor-core GEMM, mma.sync m16n8k16 (sm_80 and sm_90), BM x BN x BK
  *    tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared memory, ldmatrix fragments.
  *    BK is 64 (128 contiguous bytes of each weight row per load) for the memory-bound tiles where
- *    three stages of it still fit twice per SM, else 32 (see mma_bk). BN is 128, or 64 for 16-row
+ *    three stages of it still fit twice per SM, 128 for tiles of up to 32 rows of long weight rows
+ *    (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64 for 16-row
  *    tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
@@ -28,6 +29,11 @@
 /* Shared memory one block may take so that two fit on an H200 SM (228 KB, 1 KB reserved per block). */
 #define MMA_SMEM_TWO_PER_SM (113 * 1024)
 #define MMA_SMEM_THREE_PER_SM (75 * 1024)
+#define MMA_SMEM_ONE_PER_SM (226 * 1024)
+/* K (elements) from which the tiles of at most MMA_LONG_K_MAX_BM rows read 256 contiguous bytes of each
+ * weight row per stage (BK = 128) where the device has the shared memory for it (see mma_bk). */
+#define MMA_LONG_K 4096
+#define MMA_LONG_K_MAX_BM 32
 /* The narrow 16-row kernel (BN = 64 columns, 128 threads) runs where its grid fills the last wave of
  * the GPU clearly better than BN = 128 does (mma_narrow). */
 #define MMA_NARROW_BN 64
@@ -36,6 +42,7 @@
  * 128-byte rows and c ^ ((r >> 1) & 3) for 64-byte rows: either way the 8 rows one ldmatrix phase reads
  * hit 8 different 16-byte bank groups. */
 template <int BK> __device__ __forceinline__ uint32_t swz(int r, int c) {
+    if constexpr (BK == 128) return (uint32_t)(r * 256 + ((c ^ (r & 7)) << 4)); /* c ^ (r & 7): within 128 bytes */
     if constexpr (BK == 64) return (uint32_t)(r * 128 + ((c ^ (r & 7)) << 4));
     else return (uint32_t)(r * 64 + ((c ^ ((r >> 1) & 3)) << 4));
 }
@@ -84,8 +91,14 @@ template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_
  * of it still let two blocks share an SM (the bytes in flight per SM stay about the same): 1.6-1.7x
  * at T=64 on the H200 (NOTES.md, v3). The GLU tiles of 64 rows keep BK=32 rather than drop to one
  * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
- * measured 2-7% slower there. */
-template <int BM, bool GLU, int BN = MMA_BN> constexpr int mma_bk() {
+ * measured 2-7% slower there.
+ * LONG (K >= MMA_LONG_K: Mixtral's 4096 and 14336): the tiles of up to 32 rows take BK=128, 256-byte
+ * runs, even where three stages of it leave one block per SM (the bytes in flight stay the same):
+ * Mixtral T=16 and T=64 1.06-1.07x on the H200. With short rows (fine-grained experts, K = 1408-2048:
+ * 11-16 steps of 128 per block) one block per SM leaves each block's pipeline start exposed: DeepSeek
+ * and Qwen T=256 were 2-3% slower with it (NOTES.md, v10). */
+template <int BM, bool GLU, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
+    if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, GLU, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
     return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
 }
 /* Narrow tiles (BN < 128, small batches): as many stages (4 or 3) as still let three blocks share an SM. */
@@ -244,68 +257,77 @@ template <class T, int BM, bool GLU, int BK, int BN = MMA_BN> static cudaError_t
                                 (int)mma_smem_bytes<BM, GLU, BK, BN>());
 }
 
-/* Every BK=32 kernel, and the BK=64 ones where mma_bk picks them and the device has the shared memory;
- * for 16-row tiles also the narrow kernels. */
-template <class T, int BM, bool GLU> static cudaError_t mma_setup_bm(bool wide_k) {
-    cudaError_t e = mma_setup_one<T, BM, GLU, 32>();
-    if constexpr (mma_bk<BM, GLU>() == 64)
-        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, 64>();
-    if constexpr (BM == 16) {
-        if (e == cudaSuccess) e = mma_setup_one<T, BM, GLU, 32, MMA_NARROW_BN>();
-        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, 64, MMA_NARROW_BN>();
-    }
+/* The BN-column kernels of BM-row tiles: BK=32, the BK=64 one where mma_bk picks it and the device has
+ * the shared memory (wide_k), the long-K one likewise (long_k). */
+template <class T, int BM, bool GLU, int BN> static cudaError_t mma_setup_bn(bool wide_k, bool long_k) {
+    cudaError_t e = mma_setup_one<T, BM, GLU, 32, BN>();
+    if constexpr (mma_bk<BM, GLU, BN>() > 32)
+        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, mma_bk<BM, GLU, BN>(), BN>();
+    if constexpr (mma_bk<BM, GLU, BN, true>() != mma_bk<BM, GLU, BN>())
+        if (e == cudaSuccess && long_k) e = mma_setup_one<T, BM, GLU, mma_bk<BM, GLU, BN, true>(), BN>();
     return e;
 }
 
-template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k) {
+/* for 16-row tiles also the narrow kernels */
+template <class T, int BM, bool GLU> static cudaError_t mma_setup_bm(bool wide_k, bool long_k) {
+    cudaError_t e = mma_setup_bn<T, BM, GLU, MMA_BN>(wide_k, long_k);
+    if constexpr (BM == 16)
+        if (e == cudaSuccess) e = mma_setup_bn<T, BM, GLU, MMA_NARROW_BN>(wide_k, long_k);
+    return e;
+}
+
+template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k, bool long_k) {
     cudaError_t e;
-    if ((e = mma_setup_bm<T, 16, GLU>(wide_k)) != cudaSuccess) return e;
-    if ((e = mma_setup_bm<T, 32, GLU>(wide_k)) != cudaSuccess) return e;
-    if ((e = mma_setup_bm<T, 64, GLU>(wide_k)) != cudaSuccess) return e;
-    return mma_setup_bm<T, 128, GLU>(wide_k);
+    if ((e = mma_setup_bm<T, 16, GLU>(wide_k, long_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 32, GLU>(wide_k, long_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 64, GLU>(wide_k, long_k)) != cudaSuccess) return e;
+    return mma_setup_bm<T, 128, GLU>(wide_k, long_k);
 }
 
-template <class T, int BM, bool GLU>
-static cudaError_t mma_launch_bm(const ProjArgs &a, int64_t slots, bool wide_k, bool narrow, cudaStream_t stream) {
-    if constexpr (BM == 16) {
-        if (narrow) {
-            constexpr int BN = MMA_NARROW_BN;
-            const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
-            if (wide_k)
-                return colibri_launch(mma_kernel<T, BM, GLU, 64, BN>, grid, dim3(2 * BN),
-                                      mma_smem_bytes<BM, GLU, 64, BN>(), stream, a);
-            return colibri_launch(mma_kernel<T, BM, GLU, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, GLU, 32, BN>(),
-                                  stream, a);
-        }
-    }
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + MMA_BN - 1) / MMA_BN));
-    if constexpr (mma_bk<BM, GLU>() == 64)
+template <class T, int BM, bool GLU, int BN>
+static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, bool long_k, cudaStream_t stream) {
+    const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
+    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
+    if constexpr (LBK != WBK)
+        if (long_k)
+            return colibri_launch(mma_kernel<T, BM, GLU, LBK, BN>, grid, dim3(2 * BN),
+                                  mma_smem_bytes<BM, GLU, LBK, BN>(), stream, a);
+    if constexpr (WBK > 32)
         if (wide_k)
-            return colibri_launch(mma_kernel<T, BM, GLU, 64>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 64>(),
-                                  stream, a);
-    return colibri_launch(mma_kernel<T, BM, GLU, 32>, grid, dim3(MMA_THREADS), mma_smem_bytes<BM, GLU, 32>(), stream, a);
+            return colibri_launch(mma_kernel<T, BM, GLU, WBK, BN>, grid, dim3(2 * BN),
+                                  mma_smem_bytes<BM, GLU, WBK, BN>(), stream, a);
+    return colibri_launch(mma_kernel<T, BM, GLU, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, GLU, 32, BN>(),
+                          stream, a);
 }
 
+/* long_k: the device fits the BK=128 kernels and K >= MMA_LONG_K */
 template <class T, bool GLU>
-static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool narrow,
+static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
                               cudaStream_t stream) {
     switch (tile_m) {
-    case 16: return mma_launch_bm<T, 16, GLU>(a, slots, wide_k, narrow, stream);
-    case 32: return mma_launch_bm<T, 32, GLU>(a, slots, wide_k, false, stream);
-    case 64: return mma_launch_bm<T, 64, GLU>(a, slots, wide_k, false, stream);
-    default: return mma_launch_bm<T, 128, GLU>(a, slots, wide_k, false, stream);
+    case 16:
+        if (narrow) return mma_launch_bn<T, 16, GLU, MMA_NARROW_BN>(a, slots, wide_k, long_k, stream);
+        return mma_launch_bn<T, 16, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
+    case 32: return mma_launch_bn<T, 32, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
+    case 64: return mma_launch_bn<T, 64, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
+    default: return mma_launch_bn<T, 128, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
     }
 }
 
-/* Blocks of the 16-row kernel (wide: BN = 128, narrow) one SM holds, for the wave estimate below. */
-template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k) {
+/* Blocks of the 16-row kernel (BN = 128, or narrow) one SM holds, for the wave estimate below: the
+ * kernel mma_launch_bn picks for (wide_k, long_k). */
+template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k, bool long_k) {
+    constexpr int LBK = mma_bk<16, GLU, BN, true>(), WBK = mma_bk<16, GLU, BN>();
     int blocks = 0;
-    cudaError_t e = wide_k ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 64, BN>, 2 * BN,
-                                 mma_smem_bytes<16, GLU, 64, BN>())
-                           : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                 &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 32, BN>, 2 * BN,
-                                 mma_smem_bytes<16, GLU, 32, BN>());
+    cudaError_t e = long_k   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, LBK, BN>, 2 * BN,
+                                   mma_smem_bytes<16, GLU, LBK, BN>())
+                    : wide_k ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, WBK, BN>, 2 * BN,
+                                   mma_smem_bytes<16, GLU, WBK, BN>())
+                             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 32, BN>, 2 * BN,
+                                   mma_smem_bytes<16, GLU, 32, BN>());
     return e == cudaSuccess ? blocks : 0;
 }
 
@@ -315,11 +337,12 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     int optin = 0;
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, b->device));
     b->mma_wide_k = (size_t)optin >= MMA_SMEM_TWO_PER_SM;
-    const bool w = b->mma_wide_k;
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>(w)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w)));
+    b->mma_long_k = (size_t)optin >= MMA_SMEM_ONE_PER_SM;
+    const bool w = b->mma_wide_k, l = b->mma_long_k;
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>(w, l)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w, l)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w, l)));
+    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w, l)));
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     b->wgmma = wgmma_available(b->device);
     if (b->wgmma) {
@@ -328,10 +351,12 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, true>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, false>()));
     }
-    b->mma16_blocks_per_sm[0][0] = mma16_blocks_per_sm<false, MMA_BN>(w);
-    b->mma16_blocks_per_sm[0][1] = mma16_blocks_per_sm<false, MMA_NARROW_BN>(w);
-    b->mma16_blocks_per_sm[1][0] = mma16_blocks_per_sm<true, MMA_BN>(w);
-    b->mma16_blocks_per_sm[1][1] = mma16_blocks_per_sm<true, MMA_NARROW_BN>(w);
+    for (int lk = 0; lk < 2; lk++) {
+        b->mma16_blocks_per_sm[0][0][lk] = mma16_blocks_per_sm<false, MMA_BN>(w, lk && l);
+        b->mma16_blocks_per_sm[0][1][lk] = mma16_blocks_per_sm<false, MMA_NARROW_BN>(w, lk && l);
+        b->mma16_blocks_per_sm[1][0][lk] = mma16_blocks_per_sm<true, MMA_BN>(w, lk && l);
+        b->mma16_blocks_per_sm[1][1][lk] = mma16_blocks_per_sm<true, MMA_NARROW_BN>(w, lk && l);
+    }
     return COLIBRI_OK;
 }
 
@@ -339,11 +364,12 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
  * likely touched (top-k of num_tokens tokens spread evenly over E) ends in a clearly fuller last wave
  * than the BN = 128 grid does. Small batches leave most of a wave idle with BN = 128 (Qwen T=4: 0.6 of
  * one wave) or a ragged last one (Mixtral T=16: 3.4 waves); NOTES.md, v4. */
-static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n) {
+static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n,
+                       bool long_k) {
     const double E = c->num_experts, touched = E * (1.0 - pow(1.0 - (double)c->top_k / E, (double)num_tokens));
     double fill[2];
     for (int narrow = 0; narrow < 2; narrow++) {
-        const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow];
+        const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow][long_k];
         if (per_sm <= 0) return false;
         const double waves = touched * ((n + bn - 1) / bn) / ((double)b->sm_count * per_sm);
         fill[narrow] = waves / ceil(waves);
@@ -445,8 +471,9 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
-        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n);
-        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, narrow, stream);
+        const bool long_k = b->mma_long_k && k >= MMA_LONG_K;
+        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n, long_k);
+        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
 }
