@@ -8,8 +8,8 @@
  *  - otherwise (16-bit weights): a tensor-core GEMM, mma.sync m16n8k16 (sm_80 and sm_90), BM x BN x BK
  *    tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared memory, ldmatrix fragments.
  *    BK is 64 (128 contiguous bytes of each weight row per load) for the memory-bound tiles where
- *    three stages of it still fit twice per SM, 128 for tiles of up to 32 rows of long weight rows
- *    (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64 for 16-row
+ *    three stages of it still fit twice per SM, 128 for tiles of 16 rows and of 32 rows of long weight
+ *    rows (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64 for 16-row
  *    tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
@@ -30,8 +30,9 @@
 #define MMA_SMEM_TWO_PER_SM (113 * 1024)
 #define MMA_SMEM_THREE_PER_SM (75 * 1024)
 #define MMA_SMEM_ONE_PER_SM (226 * 1024)
-/* K (elements) from which the tiles of at most MMA_LONG_K_MAX_BM rows read 256 contiguous bytes of each
- * weight row per stage (BK = 128) where the device has the shared memory for it (see mma_bk). */
+/* Tiles of 16 rows, and of up to MMA_LONG_K_MAX_BM rows from K = MMA_LONG_K elements on, read 256
+ * contiguous bytes of each weight row per stage (BK = 128) where the device has the shared memory for
+ * it (see mma_bk). */
 #define MMA_LONG_K 4096
 #define MMA_LONG_K_MAX_BM 32
 /* The narrow 16-row kernel (BN = 64 columns, 128 threads) runs where its grid fills the last wave of
@@ -92,11 +93,11 @@ template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_
  * at T=64 on the H200 (NOTES.md, v3). The GLU tiles of 64 rows keep BK=32 rather than drop to one
  * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
  * measured 2-7% slower there.
- * LONG (K >= MMA_LONG_K: Mixtral's 4096 and 14336): the tiles of up to 32 rows take BK=128, 256-byte
- * runs, even where three stages of it leave one block per SM (the bytes in flight stay the same):
- * Mixtral T=16 and T=64 1.06-1.07x on the H200. With short rows (fine-grained experts, K = 1408-2048:
- * 11-16 steps of 128 per block) one block per SM leaves each block's pipeline start exposed: DeepSeek
- * and Qwen T=256 were 2-3% slower with it (NOTES.md, v10). */
+ * LONG: the tiles of up to 32 rows take BK=128, 256-byte runs, even where three stages of it leave one
+ * block per SM (the bytes in flight stay the same). Measured on the H200 (NOTES.md, v10): Mixtral T=16
+ * and T=64 (K = 4096 and 14336; 16- and 32-row tiles) 1.06-1.09x, the fine-grained experts' 16-row
+ * tiles (K = 1408-2048, T=16 and 64) 1.00-1.04x, but their 32-row tiles (T=256) 0.97-1.00x: the launch
+ * asks for LONG with 16-row tiles, or from K = MMA_LONG_K on. */
 template <int BM, bool GLU, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
     if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, GLU, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
     return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
@@ -300,7 +301,7 @@ static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, 
                           stream, a);
 }
 
-/* long_k: the device fits the BK=128 kernels and K >= MMA_LONG_K */
+/* long_k: the device fits the BK=128 kernels and the tile takes them (16 rows, or K >= MMA_LONG_K) */
 template <class T, bool GLU>
 static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
                               cudaStream_t stream) {
@@ -471,7 +472,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
-        const bool long_k = b->mma_long_k && k >= MMA_LONG_K;
+        const bool long_k = b->mma_long_k && (tile_m == 16 || k >= MMA_LONG_K);
         const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n, long_k);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
