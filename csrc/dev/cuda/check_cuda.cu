@@ -550,6 +550,15 @@ int main(int argc, char **argv) {
                     if (quick && (r || T > 513)) continue;
                     run_case(deep, (colibri_expert_kind_t)kind, w, w, routings[r][0], routings[r][1], T, 0, rng);
                 }
+    /* long rows (K >= 4096): the BK=128 tensor-core tiles of 32 rows (T=32) beside those of 16 (T=8),
+     * K = 4104 ending inside a k tile of the down projection */
+    const Shape longk = {4, 2, 4096, 4104};
+    for (int kind = 0; kind < 2; kind++)
+        for (colibri_dtype_t w : {COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16})
+            for (int T : {8, 32}) {
+                if (quick && (kind || w == COLIBRI_DTYPE_F16 || T == 8)) continue;
+                run_case(longk, (colibri_expert_kind_t)kind, w, w, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, 0, rng);
+            }
     /* chunking: workspace smaller than T */
     run_case(aligned, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1,
              quick ? 513 : 4096, 200, rng);
