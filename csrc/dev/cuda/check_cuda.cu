@@ -13,8 +13,10 @@
  * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
  * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
  * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages; for routing, the
- * small-T kernel, the gemv and the split router GEMM (T >= 1024 with 64 and 100 experts: one and two
- * expert tiles), and the one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
+ * small-T kernel, the gemv, the gemv split along H (rows of 1000 and 4000 elements: 8 experts up to
+ * T = 513, 60 experts below 256 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
+ * split router GEMM (T >= 1024 with 60, 64 and 100 experts: one and two expert tiles), and the
+ * one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
  * Exit status 0 only if every check passed.
  */
 #include <cuda_bf16.h>
@@ -515,6 +517,11 @@ int main(int argc, char **argv) {
     const Shape odd = {5, 3, 36, 20};       /* scalar gemv: rows not 16-byte multiples */
     const Shape wide = {64, 6, 64, 32};     /* many experts, fine-grained */
     const Shape many = {100, 8, 200, 32};   /* router GEMM: two expert tiles, the second partial; H % 32 != 0 */
+    /* the router gemv split along H (route_gemv_plan, 256-element minimum): 16-byte rows in up to 16
+     * splits, the last 160 elements (T <= 128), 4 at T = 513; scalar rows (H % 8 != 0) with 60 experts,
+     * the last group of 8 rows half empty, in 4 splits up to T = 64 (the last 236 elements), 2 at 128 */
+    const Shape tall = {8, 2, 4000, 16};
+    const Shape tall_odd = {60, 4, 1004, 16};
     const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
     const int routings[6][2] = {{GIVEN, 0}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 1}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 0},
                                 {COLIBRI_ROUTING_TOPK_SOFTMAX, 0}, {COLIBRI_ROUTING_SIGMOID_BIAS, 1}, {CUSTOM, 0}};
@@ -527,7 +534,7 @@ int main(int argc, char **argv) {
                         if (quick && (w != a || r % 2)) continue;
                         run_case(aligned, (colibri_expert_kind_t)kind, w, a, routings[r][0], routings[r][1], T, 0, rng);
                     }
-    for (Shape s : {odd, wide, many})
+    for (Shape s : {odd, wide, many, tall, tall_odd})
         for (int r = 0; r < 6; r++)
             for (colibri_dtype_t w : dts)
                 for (int T : Ts) {
@@ -562,11 +569,18 @@ int main(int argc, char **argv) {
     /* chunking: workspace smaller than T */
     run_case(aligned, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1,
              quick ? 513 : 4096, 200, rng);
+    /* the split gemv with f32 activations, and in chunks of 100 and 13 tokens (logits_part sized for the
+     * workspace's 100 tokens) */
+    run_case(tall, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F32, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 100, 0,
+             rng);
+    run_case(tall, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 513,
+             100, rng);
     for (colibri_dtype_t w : dts)
         for (int T : {1, 7, 513}) graph_and_bad_ids(aligned, w, COLIBRI_DTYPE_BF16, T, rng);
     /* many assignments: the multi-block permutation and the split router GEMM, also under the sanitizers */
     graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 1024 : 4096, rng);
     graph_and_bad_ids(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, quick ? 700 : 3000, rng);
+    graph_and_bad_ids(tall, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 64, rng); /* the split gemv in a graph */
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
     for (colibri_dtype_t w : dts)

@@ -17,6 +17,10 @@
  *  - a tile (expert, positions [begin, end)) from the table permute.cu wrote;
  *  - with neither, a group of 8 consecutive positions (the router, whose "expert" is the single
  *    router matrix).
+ * The router's launch may also split K over blockIdx.z (gemv_split_kernel, through gemv_launch_groups):
+ * its grid of T/8 x E/8 blocks is short of filling the GPU below about a thousand tokens, while every
+ * warp walks its whole row one chunk after another (route.cu, route_gemv_plan). The expert kernels
+ * are the same code with or without it.
  * MAXNT (the tile height of the few-tokens path, host-chosen from the mean tokens per expert) bounds
  * the token rows one pass serves: the registers of the widest pass bound how many blocks share an SM,
  * so decode-sized launches use the narrow kernels (more warps, more bytes in flight per SM).
@@ -124,17 +128,17 @@ __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_po
 }
 
 /* One chunk of UNROLL steps of K (a step: 16 bytes per lane and matrix) for NT token rows: every weight
- * load of the chunk issued before the first use. PARTIAL: the chunk may run past K, and the steps
- * past it are skipped. */
+ * load of the chunk issued before the first use. PARTIAL: the chunk may run past kl (the row length,
+ * a.k, or a split's K range), and the steps past it are skipped. */
 template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL, bool PARTIAL>
-__device__ __forceinline__ void gemv_chunk(const ProjArgs &a, const TW *w0, const TW *w1, const TX *const (&xr)[NT],
-                                           int k0, float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
+__device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int k0, int kl,
+                                           float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
     constexpr int STEP = 32 * VW;
     Pack<TW, VW> wa[UNROLL], wb[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
         /* past K: the chunk's first step again (a hit), keeping the loads unconditional */
-        const int k = PARTIAL && k0 + u * STEP >= a.k ? k0 : k0 + u * STEP;
+        const int k = PARTIAL && k0 + u * STEP >= kl ? k0 : k0 + u * STEP;
         wa[u] = load_stream<TW, VW>(w0 + k);
         if (GLU) wb[u] = load_stream<TW, VW>(w1 + k);
     }
@@ -144,7 +148,7 @@ __device__ __forceinline__ void gemv_chunk(const ProjArgs &a, const TW *w0, cons
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
-        if (PARTIAL && k0 + u * STEP >= a.k) break;
+        if (PARTIAL && k0 + u * STEP >= kl) break;
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             float xv[VW];
@@ -158,18 +162,21 @@ __device__ __forceinline__ void gemv_chunk(const ProjArgs &a, const TW *w0, cons
     }
 }
 
-/* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. */
+/* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. The K range
+ * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
 template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
-                                          int count, int n, int lane, bool &must_wait) {
+                                          int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait) {
     constexpr int STEP = 32 * VW;
     const TX *xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         int out_row, x_row;
         gemv_position(a, s_pos, p0 + (t < count ? t : count - 1), out_row, x_row);
-        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k;
+        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k + kb;
     }
+    w0 += kb;
+    w1 += kb;
     float acc0[NT], acc1[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
@@ -178,11 +185,11 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
      * fine-grained expert, K = 1408: 5.5 steps) is then all in flight at once rather than a step at a
      * time. Each lane still sums its elements in ascending k: the result does not depend on UNROLL. */
     int k0 = lane * VW;
-    for (; k0 + (UNROLL - 1) * STEP < a.k; k0 += UNROLL * STEP)
-        gemv_chunk<TW, TX, VW, GLU, NT, UNROLL, false>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
+    for (; k0 + (UNROLL - 1) * STEP < kl; k0 += UNROLL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, UNROLL, false>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
     constexpr int TAIL = NT == 1 ? UNROLL : (UNROLL + 1) / 2; /* wider passes: no spills (ptxas -v) */
-    for (; k0 < a.k; k0 += TAIL * STEP)
-        gemv_chunk<TW, TX, VW, GLU, NT, TAIL, true>(a, w0, w1, xr, k0, acc0, acc1, must_wait);
+    for (; k0 < kl; k0 += TAIL * STEP)
+        gemv_chunk<TW, TX, VW, GLU, NT, TAIL, true>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
@@ -191,7 +198,7 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
             if (GLU) acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], off);
         }
     }
-    TO *out = reinterpret_cast<TO *>(a.out);
+    TO *out = reinterpret_cast<TO *>(out_v);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         if (lane == t && t < count) {
@@ -206,6 +213,10 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
 /* Blocks per SM the register budget must allow: 4 (64 registers) for the decode kernels, 3 or 2 for the
  * wider ones. */
 template <int MAXNT> constexpr int gemv_min_blocks() { return MAXNT <= 2 ? 3 : 2; }
+
+/* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
+ * projection at decode), else 4 (registers: see the file header) */
+template <int VW, bool GLU, int MAXNT> constexpr int gemv_unroll() { return VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8; }
 
 template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
@@ -232,9 +243,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
         p1 = min(p0 + GEMV_GROUP, a.positions);
     }
     const int lane = threadIdx.x & 31;
-    /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
-     * projection at decode), else 4 (registers: see the file header) */
-    constexpr int U = VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8;
+    constexpr int U = gemv_unroll<VW, GLU, MAXNT>();
     /* warp w of the block takes rows n = 8 (blockIdx.y + i gridDim.y) + w: one row unless the launch
      * gave fewer blocks than groups of 8 rows (gemv_launch's row_blocks) */
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
@@ -244,21 +253,50 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
             const int count = min(p1 - q, MAXNT);
             if constexpr (MAXNT >= 8)
                 if (count > 4) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
                     continue;
                 }
             if constexpr (MAXNT >= 4)
                 if (count > 2) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
                     continue;
                 }
             if constexpr (MAXNT >= 2)
                 if (count == 2) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+                    gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
                     continue;
                 }
-            gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, must_wait);
+            gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
         }
+    }
+}
+
+/* The router's launch split along K (gemv_launch_groups with splits > 1): gemv_kernel's group mode
+ * (no ids, no tiles, GEMV_GROUP positions per blockIdx.x, one matrix), block z summing only the K range
+ * [z kchunk, min((z + 1) kchunk, K)) into out (z = 0) or part + (z - 1) positions n. kchunk is a
+ * multiple of the step (32 VW), so every range starts 16-byte aligned and each lane still sums its
+ * elements in ascending k. A kernel of its own, with the split in its own parameters: a field more in
+ * ProjArgs changes the code ptxas emits for every expert kernel (gemv, mma, wgmma), even unused. */
+template <class TW, class TX, class TO, int VW>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>())
+    gemv_split_kernel(ProjArgs a, int kchunk, TO *part) {
+    pdl_begin();
+    const int p0 = blockIdx.x * GEMV_GROUP, count = min(GEMV_GROUP, a.positions - p0);
+    const int lane = threadIdx.x & 31, kb = (int)blockIdx.z * kchunk, kl = min(kchunk, a.k - kb);
+    TO *out = blockIdx.z == 0 ? reinterpret_cast<TO *>(a.out)
+                              : part + (size_t)(blockIdx.z - 1) * (size_t)a.positions * (size_t)a.n;
+    constexpr int U = gemv_unroll<VW, false, GEMV_GROUP>();
+    bool must_wait = false;
+    for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
+        const TW *w = reinterpret_cast<const TW *>(a.w) + (size_t)n * a.k;
+        if (count > 4)
+            gemv_rows<TW, TX, TO, VW, false, 8, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
+        else if (count > 2)
+            gemv_rows<TW, TX, TO, VW, false, 4, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
+        else if (count == 2)
+            gemv_rows<TW, TX, TO, VW, false, 2, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
+        else
+            gemv_rows<TW, TX, TO, VW, false, 1, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
     }
 }
 
@@ -287,10 +325,20 @@ static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool 
     return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
 }
 
-/* The router's launch: no tiles, groups of GEMV_GROUP positions. */
+/* The router's launch: no tiles, groups of GEMV_GROUP positions. splits > 1: that many blocks along K
+ * (gemv_split_kernel), kchunk elements each (a multiple of the step: 32 x 16 / sizeof(TW) elements
+ * with vec, else 32; every split non-empty), split 0 writing a.out, split s > 0 part + (s - 1)
+ * positions n. splits == 1: the unsplit kernel, as before. */
 template <class TW, class TX, class TO>
-static cudaError_t gemv_launch_groups(const ProjArgs &a, int64_t slots, bool vec, cudaStream_t stream) {
-    const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS));
+static cudaError_t gemv_launch_groups(const ProjArgs &a, int64_t slots, bool vec, int splits, int kchunk, TO *part,
+                                      cudaStream_t stream) {
+    const dim3 grid((unsigned)slots, (unsigned)((a.n + GEMV_WARPS - 1) / GEMV_WARPS), (unsigned)splits);
+    if (splits > 1) {
+        if (vec)
+            return colibri_launch(gemv_split_kernel<TW, TX, TO, 16 / sizeof(TW)>, grid, GEMV_WARPS * 32, 0, stream, a,
+                                  kchunk, part);
+        return colibri_launch(gemv_split_kernel<TW, TX, TO, 1>, grid, GEMV_WARPS * 32, 0, stream, a, kchunk, part);
+    }
     if (vec)
         return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), false, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0,
                               stream, a);

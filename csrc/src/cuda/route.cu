@@ -5,10 +5,12 @@
  * row is in flight at once, and the last block to finish (a counter in the workspace) picks the top-k
  * of every token and, inside a forward, groups the assignments by expert (permute.cuh) too.
  * From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled fp32 SIMT GEMM (route_gemm_kernel),
- * split along H when the tiles alone would not fill the GPU; the top-k kernel adds the splits' partial
- * logits in split order.
- * In between (and for rows that do not allow 4-element loads): the memory-bound gemv of gemv.cuh (the
- * router is small and re-read from L2 for each group of 8 tokens), then the top-k kernel.
+ * split along H when the tiles alone would not fill the GPU.
+ * In between, at every T above 8 with fewer experts (Mixtral's 8), and for rows that do not allow
+ * 4-element loads: the memory-bound gemv of gemv.cuh (a block per 8 tokens and 8 experts; the router
+ * is small and re-read from L2 for each group of 8 tokens), split along H too where its grid is short
+ * of two blocks per SM (route_gemv_plan).
+ * After either, the top-k kernel, which first adds the splits' partial logits in split order.
  * Every path sums in a fixed order, so the logits, and the ids, are the same bits on every run.
  * A custom routing_fn is called here too, on the caller's stream, with device pointers.
  */
@@ -117,9 +119,14 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
     for (int j = 0; j < k; j++) w_t[j] = w_t[j] / norm * p.scale;
 }
 
-/* One warp per token. After a split router GEMM (splits > 1) the warp first adds the partial logits
- * of splits 1.. (part: [splits - 1, T, E]) to split 0's in split order and writes the sums back as the
- * logits; with p.ids NULL (a routing_fn follows) that is all it does. */
+/* Most splits along H of either router path (the GEMM's and the gemv's). */
+#define ROUTE_GEMM_MAX_SPLITS 16
+
+/* One warp per token. After a split router GEMM or gemv (splits > 1) the warp first adds the partial
+ * logits of splits 1.. (part: [splits - 1, T, E]) to split 0's in split order and writes the sums back
+ * as the logits; with p.ids NULL (a routing_fn follows) that is all it does. The partials of a logit
+ * are all loaded before the first add (a fixed-size array, the loads past `splits` predicated off):
+ * a loop of `splits` trips would wait for each L2 load in turn. The adds keep the order s = 1, 2, ... */
 __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *part, int splits, int T, TopkArgs p) {
     pdl_begin();
     const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -127,8 +134,14 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
     float *l = logits + (size_t)t * p.E;
     if (splits > 1) {
         for (int e = lane; e < p.E; e += 32) {
+            float pv[ROUTE_GEMM_MAX_SPLITS - 1];
+#pragma unroll
+            for (int s = 1; s < ROUTE_GEMM_MAX_SPLITS; s++)
+                pv[s - 1] = s < splits ? __ldcg(part + ((size_t)(s - 1) * T + t) * p.E + e) : 0.0f;
             float v = l[e];
-            for (int s = 1; s < splits; s++) v += __ldcg(part + ((size_t)(s - 1) * T + t) * p.E + e);
+#pragma unroll
+            for (int s = 1; s < ROUTE_GEMM_MAX_SPLITS; s++)
+                if (s < splits) v += pv[s - 1];
             l[e] = v;
         }
         __syncwarp(); /* lane 0 reads the chosen logits that other lanes wrote */
@@ -245,12 +258,13 @@ __global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
 /* Where the GEMM takes over (ncu, H200, one forward each, bf16 input): with 64 experts it beat the gemv
  * + top-k at T = 1024 (29.5 against 39.2 us) and T = 4096 (66 against 109) but not at T = 256 (24.3
  * against 20.6: the top-k kernel adds 16 splits there); with 8 experts (Mixtral) never (T = 4096: the
- * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). */
+ * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). The gemv's split (route_gemv_plan)
+ * leaves all of these gemv shapes whole; the GEMM's T = 256 was measured while the top-k kernel still
+ * loaded the 16 partials one after another. */
 #ifndef ROUTE_GEMM_MIN_T
 #define ROUTE_GEMM_MIN_T 1024
 #endif
 #define ROUTE_GEMM_MIN_E 17
-#define ROUTE_GEMM_MAX_SPLITS 16
 #define ROUTE_GEMM_BLOCKS_PER_SM 2 /* blocks per SM the split aims at (the kernel's launch bound) */
 
 /* Split of the router GEMM for T tokens: as many splits of H as fill about one wave of
@@ -273,10 +287,59 @@ static RouteGemmPlan route_gemm_plan(int sm_count, int64_t T, int E, int H) {
     return g;
 }
 
+/* Split of the router gemv (launch_logits) for T tokens. The gemv runs a block per GEMV_GROUP tokens and
+ * GEMV_WARPS experts, T/8 x E/8 blocks, which below about a thousand tokens leave most of the 132 SMs
+ * of an H200 idle while each warp walks its whole row, one chunk of loads in flight after another
+ * (ncu, H200, unsplit: Mixtral, E = 8, H = 4096, at T = 64 ran 8 blocks for 12.7 us; Qwen, E = 60,
+ * H = 2048, at T = 16 16 blocks for 8.4 us; DeepSeek, E = 64, H = 2048, at T = 256 10.6 us). So H is
+ * split into as many ranges as bring the grid to about ROUTE_GEMV_BLOCKS_PER_SM blocks per SM (the
+ * gemv's launch bound, and all that its 125 to 128 registers leave resident: more blocks would queue
+ * as a second wave as long as the first), at most ROUTE_GEMM_MAX_SPLITS, each range whole warp steps
+ * (a step: the 32 lanes' 16-byte loads of the fp32 router, 128 elements, or 32 in the scalar kernel)
+ * and at least ROUTE_GEMV_MIN_K elements. That minimum: 256 elements are two 16-byte steps, one chunk
+ * of the 8-token pass with all its loads in flight at once; shorter ranges would not shorten any
+ * warp's chain of loads, only add blocks and partial logits (written, then re-read by the top-k
+ * kernel) for the same work. Where the grid already holds two blocks per SM (Mixtral at T = 4096: 512
+ * blocks), splits = 1 and the unsplit kernel runs as before. */
+#define ROUTE_GEMV_BLOCKS_PER_SM 2
+#define ROUTE_GEMV_MIN_K 256
+struct RouteGemvPlan {
+    int splits, kchunk;
+};
+static RouteGemvPlan route_gemv_plan(int sm_count, int64_t T, int E, int H, bool vec) {
+    const int step = 32 * (vec ? 4 : 1);
+    const int64_t tiles = ((T + GEMV_GROUP - 1) / GEMV_GROUP) * ((E + GEMV_WARPS - 1) / GEMV_WARPS);
+    const int steps = (H + step - 1) / step, min_steps = ROUTE_GEMV_MIN_K / step;
+    int64_t s = (int64_t)sm_count * ROUTE_GEMV_BLOCKS_PER_SM / tiles;
+    s = s < 1 ? 1 : s > ROUTE_GEMM_MAX_SPLITS ? ROUTE_GEMM_MAX_SPLITS : s;
+    s = s > steps / min_steps ? steps / min_steps : s;
+    s = s < 1 ? 1 : s;
+    const int per = (steps + (int)s - 1) / (int)s; /* steps per split */
+    RouteGemvPlan g;
+    g.kchunk = per * step;
+    g.splits = (steps + per - 1) / per;
+    return g;
+}
+
+/* The most partial logits any one launch of up to `tokens` tokens writes: a forward runs chunks of 1 to
+ * workspace_tokens tokens, and which path runs depends on T, E and (the input's alignment) on the call,
+ * so every plan counts. Both plans split less as T grows, and within one count of token tiles the need
+ * grows with T: evaluated at each tile count's last T. */
 size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_count, int64_t tokens) {
     const int E = ctx->cfg.num_experts, H = ctx->cfg.hidden_size;
     size_t most = 0;
-    if (E < ROUTE_GEMM_MIN_E) return 0;
+    for (int64_t T = GEMV_GROUP; T < tokens + GEMV_GROUP; T += GEMV_GROUP) {
+        const int64_t t = T < tokens ? T : tokens;
+        int splits = 1;
+        for (int vec = 0; vec < 2; vec++) {
+            const int s = route_gemv_plan(sm_count, t, E, H, vec).splits;
+            splits = s > splits ? s : splits;
+        }
+        if (splits == 1) break; /* nor at any larger T */
+        const size_t need = (size_t)(splits - 1) * (size_t)t * E;
+        most = need > most ? need : most;
+    }
+    if (E < ROUTE_GEMM_MIN_E) return most;
     const int bt = route_gemm_plan(sm_count, 1, E, H).bt;
     for (int64_t T = bt; T < tokens + bt; T += bt) { /* the plan changes with the number of token tiles */
         const int64_t t = T < tokens ? T : tokens;
@@ -389,8 +452,11 @@ static TopkArgs topk_args(const colibri_moe_config_t *c, const float *bias, int3
     return p;
 }
 
-static cudaError_t launch_logits(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype,
-                                 const void *input, cudaStream_t stream) {
+/* The gemv's logits of T tokens, split along H by route_gemv_plan: split 0 into the logits, split s > 0
+ * into logits_part[s - 1]. Returns the number of splits (what the top-k kernel must add), or 0 on a
+ * launch error (in *err). */
+static int launch_logits(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype, const void *input,
+                         cudaStream_t stream, cudaError_t *err) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     ProjArgs a = {};
     a.w = (const char *)b->router;
@@ -401,12 +467,12 @@ static cudaError_t launch_logits(const colibri_moe_context_t *ctx, int64_t T, co
     a.out = b->logits;
     a.positions = (int32_t)T;
     const bool vec = a.k % 8 == 0 && colibri_aligned16(input);
-    cudaError_t err = cudaSuccess;
+    const RouteGemvPlan g = route_gemv_plan(b->sm_count, T, a.n, a.k, vec);
     colibri_dispatch_dtype(act_dtype, [&](auto tx) {
-        err = gemv_launch_groups<float, typename decltype(tx)::type, float>(a, (T + GEMV_GROUP - 1) / GEMV_GROUP,
-                                                                           vec, stream);
+        *err = gemv_launch_groups<float, typename decltype(tx)::type, float>(
+            a, (T + GEMV_GROUP - 1) / GEMV_GROUP, vec, g.splits, g.kchunk, b->logits_part, stream);
     });
-    return err;
+    return *err == cudaSuccess ? g.splits : 0;
 }
 
 /* T <= GEMV_GROUP: logits, (ids non-NULL) top-k and (tile_m > 0) the permutation in one launch. */
@@ -454,7 +520,9 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
         splits = launch_route_gemm(ctx, num_tokens, act_dtype, input, stream, &err);
         COLIBRI_CUDA_CHECK(err);
     } else if (b->router) {
-        COLIBRI_CUDA_CHECK(launch_logits(ctx, num_tokens, act_dtype, input, stream));
+        cudaError_t err = cudaSuccess;
+        splits = launch_logits(ctx, num_tokens, act_dtype, input, stream, &err);
+        COLIBRI_CUDA_CHECK(err);
     }
     const unsigned topk_blocks = (unsigned)((num_tokens + 7) / 8);
     if (c->routing_fn) {
