@@ -96,8 +96,9 @@ template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_
  * LONG: the tiles of up to 32 rows take BK=128, 256-byte runs, even where three stages of it leave one
  * block per SM (the bytes in flight stay the same). Measured on the H200 (NOTES.md, v10): Mixtral T=16
  * and T=64 (K = 4096 and 14336; 16- and 32-row tiles) 1.06-1.09x, the fine-grained experts' 16-row
- * tiles (K = 1408-2048, T=16 and 64) 1.00-1.04x, but their 32-row tiles (T=256) 0.97-1.00x: the launch
- * asks for LONG with 16-row tiles, or from K = MMA_LONG_K on. */
+ * tiles (K = 1408-2048, T=16 and 64) 1.00-1.05x, but their 32-row tiles (T=256) 0.97-1.00x and their
+ * 16-row tiles of a short grid (Qwen T=4) 0.95x: the launch asks for LONG from K = MMA_LONG_K on, or
+ * with 16-row tiles whose grid is a few waves (mma16_long). */
 template <int BM, bool GLU, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
     if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, GLU, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
     return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
@@ -301,7 +302,7 @@ static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, 
                           stream, a);
 }
 
-/* long_k: the device fits the BK=128 kernels and the tile takes them (16 rows, or K >= MMA_LONG_K) */
+/* long_k: the device fits the BK=128 kernels and the projection takes them (see mma_bk) */
 template <class T, bool GLU>
 static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
                               cudaStream_t stream) {
@@ -365,17 +366,37 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
  * likely touched (top-k of num_tokens tokens spread evenly over E) ends in a clearly fuller last wave
  * than the BN = 128 grid does. Small batches leave most of a wave idle with BN = 128 (Qwen T=4: 0.6 of
  * one wave) or a ragged last one (Mixtral T=16: 3.4 waves); NOTES.md, v4. */
+static double mma16_touched(const colibri_moe_config_t *c, int64_t num_tokens) {
+    const double E = c->num_experts;
+    return E * (1.0 - pow(1.0 - (double)c->top_k / E, (double)num_tokens));
+}
+
+/* Waves of the 16-row grid of n outputs (BN = 128 or narrow; long_k: the BK=128 kernel) on this device. */
+static double mma16_waves(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n,
+                          bool narrow, bool long_k) {
+    const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow][long_k];
+    if (per_sm <= 0) return 0.0;
+    return mma16_touched(c, num_tokens) * ((n + bn - 1) / bn) / ((double)b->sm_count * per_sm);
+}
+
 static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n,
                        bool long_k) {
-    const double E = c->num_experts, touched = E * (1.0 - pow(1.0 - (double)c->top_k / E, (double)num_tokens));
     double fill[2];
     for (int narrow = 0; narrow < 2; narrow++) {
-        const int bn = narrow ? MMA_NARROW_BN : MMA_BN, per_sm = b->mma16_blocks_per_sm[glu][narrow][long_k];
-        if (per_sm <= 0) return false;
-        const double waves = touched * ((n + bn - 1) / bn) / ((double)b->sm_count * per_sm);
+        const double waves = mma16_waves(b, c, num_tokens, glu, n, narrow, long_k);
+        if (waves <= 0.0) return false;
         fill[narrow] = waves / ceil(waves);
     }
     return fill[1] > fill[0] + 0.05;
+}
+
+/* Whether a 16-row projection of short rows (K < MMA_LONG_K) takes BK=128: only where its BN = 128 grid
+ * is at least MMA16_LONG_MIN_WAVES waves of that kernel, whose blocks per SM are fewer. Qwen T=4 (15
+ * experts touched, 1.2 waves of it) read 0.097 against 0.092 ms with BK=128; T=16 and 64 (3-13
+ * waves) gained 1-5% (NOTES.md, v10). */
+#define MMA16_LONG_MIN_WAVES 2.0
+static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n) {
+    return mma16_waves(b, c, num_tokens, glu, n, false, true) >= MMA16_LONG_MIN_WAVES;
 }
 
 /* Where the tensor cores could run, the few-tokens path serves at most this many assignments: with so
@@ -472,8 +493,10 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
-        const bool long_k = b->mma_long_k && (tile_m == 16 || k >= MMA_LONG_K);
-        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, assignments / ctx->cfg.top_k, GLU, n, long_k);
+        const int64_t tokens = assignments / ctx->cfg.top_k;
+        const bool long_k =
+            b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, &ctx->cfg, tokens, GLU, n)));
+        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, tokens, GLU, n, long_k);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
