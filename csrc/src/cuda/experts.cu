@@ -9,8 +9,8 @@
  *    tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared memory, ldmatrix fragments.
  *    BK is 64 (128 contiguous bytes of each weight row per load) for the memory-bound tiles where
  *    three stages of it still fit twice per SM, 128 for tiles of 16 rows and of 32 rows of long weight
- *    rows (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64 for 16-row
- *    tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
+ *    rows (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64
+ *    for 16-row tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
  *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
  *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
  *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
