@@ -218,6 +218,29 @@ template <int MAXNT> constexpr int gemv_min_blocks() { return MAXNT <= 2 ? 3 : 2
  * projection at decode), else 4 (registers: see the file header) */
 template <int VW, bool GLU, int MAXNT> constexpr int gemv_unroll() { return VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8; }
 
+/* One pass over `count` (<= MAXNT) token rows from position q, with the narrowest gemv_rows that
+ * holds them. */
+template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT, int U>
+__device__ __forceinline__ void gemv_pass(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int q,
+                                          int count, int n, int lane, int kb, int kl, void *out, bool &must_wait) {
+    if constexpr (MAXNT >= 8)
+        if (count > 4) {
+            gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            return;
+        }
+    if constexpr (MAXNT >= 4)
+        if (count > 2) {
+            gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            return;
+        }
+    if constexpr (MAXNT >= 2)
+        if (count == 2) {
+            gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            return;
+        }
+    gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+}
+
 template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
     __shared__ int s_pos_buf[GEMV_DIRECT_MAX];
@@ -249,25 +272,9 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
         const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
-        for (int q = p0; q < p1; q += MAXNT) {
-            const int count = min(p1 - q, MAXNT);
-            if constexpr (MAXNT >= 8)
-                if (count > 4) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
-                    continue;
-                }
-            if constexpr (MAXNT >= 4)
-                if (count > 2) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
-                    continue;
-                }
-            if constexpr (MAXNT >= 2)
-                if (count == 2) {
-                    gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
-                    continue;
-                }
-            gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, 0, a.k, a.out, must_wait);
-        }
+        for (int q = p0; q < p1; q += MAXNT)
+            gemv_pass<TW, TX, TO, VW, GLU, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
+                                                    must_wait);
     }
 }
 
@@ -289,14 +296,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>()
     bool must_wait = false;
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w = reinterpret_cast<const TW *>(a.w) + (size_t)n * a.k;
-        if (count > 4)
-            gemv_rows<TW, TX, TO, VW, false, 8, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
-        else if (count > 2)
-            gemv_rows<TW, TX, TO, VW, false, 4, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
-        else if (count == 2)
-            gemv_rows<TW, TX, TO, VW, false, 2, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
-        else
-            gemv_rows<TW, TX, TO, VW, false, 1, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
+        gemv_pass<TW, TX, TO, VW, false, GEMV_GROUP, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
     }
 }
 
