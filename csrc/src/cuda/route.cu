@@ -267,6 +267,20 @@ __global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
 #define ROUTE_GEMM_MIN_E 17
 #define ROUTE_GEMM_BLOCKS_PER_SM 2 /* blocks per SM the split aims at (the kernel's launch bound) */
 
+/* Split of a K of `units` units of `unit` elements over a grid of `tiles` blocks (either router path):
+ * as many ranges as bring the grid to about `blocks` blocks, at most ROUTE_GEMM_MAX_SPLITS, each at
+ * least `min_units` units (one split if K is shorter), every one non-empty. */
+static void route_split_k(int64_t tiles, int64_t blocks, int units, int unit, int min_units, int *splits,
+                          int *kchunk) {
+    int64_t s = blocks / tiles;
+    s = s < 1 ? 1 : s > ROUTE_GEMM_MAX_SPLITS ? ROUTE_GEMM_MAX_SPLITS : s;
+    s = s > units / min_units ? units / min_units : s;
+    s = s < 1 ? 1 : s;
+    const int per = (units + (int)s - 1) / (int)s; /* units per split */
+    *kchunk = per * unit;
+    *splits = (units + per - 1) / per;
+}
+
 /* Split of the router GEMM for T tokens: as many splits of H as fill about one wave of
  * ROUTE_GEMM_BLOCKS_PER_SM blocks per SM, each at least one slice. */
 struct RouteGemmPlan {
@@ -277,13 +291,8 @@ static RouteGemmPlan route_gemm_plan(int sm_count, int64_t T, int E, int H) {
     g.be = 64;
     g.bt = 64;
     const int64_t tiles = ((T + g.bt - 1) / g.bt) * ((E + g.be - 1) / g.be);
-    const int ktiles = (H + ROUTE_BK - 1) / ROUTE_BK;
-    int64_t s = (int64_t)sm_count * ROUTE_GEMM_BLOCKS_PER_SM / tiles;
-    s = s < 1 ? 1 : s > ROUTE_GEMM_MAX_SPLITS ? ROUTE_GEMM_MAX_SPLITS : s;
-    s = s > ktiles ? ktiles : s;
-    const int per = (ktiles + (int)s - 1) / (int)s; /* slices per split */
-    g.kchunk = per * ROUTE_BK;
-    g.splits = (ktiles + per - 1) / per;
+    route_split_k(tiles, (int64_t)sm_count * ROUTE_GEMM_BLOCKS_PER_SM, (H + ROUTE_BK - 1) / ROUTE_BK, ROUTE_BK, 1,
+                  &g.splits, &g.kchunk);
     return g;
 }
 
@@ -309,15 +318,9 @@ struct RouteGemvPlan {
 static RouteGemvPlan route_gemv_plan(int sm_count, int64_t T, int E, int H, bool vec) {
     const int step = 32 * (vec ? 4 : 1);
     const int64_t tiles = ((T + GEMV_GROUP - 1) / GEMV_GROUP) * ((E + GEMV_WARPS - 1) / GEMV_WARPS);
-    const int steps = (H + step - 1) / step, min_steps = ROUTE_GEMV_MIN_K / step;
-    int64_t s = (int64_t)sm_count * ROUTE_GEMV_BLOCKS_PER_SM / tiles;
-    s = s < 1 ? 1 : s > ROUTE_GEMM_MAX_SPLITS ? ROUTE_GEMM_MAX_SPLITS : s;
-    s = s > steps / min_steps ? steps / min_steps : s;
-    s = s < 1 ? 1 : s;
-    const int per = (steps + (int)s - 1) / (int)s; /* steps per split */
     RouteGemvPlan g;
-    g.kchunk = per * step;
-    g.splits = (steps + per - 1) / per;
+    route_split_k(tiles, (int64_t)sm_count * ROUTE_GEMV_BLOCKS_PER_SM, (H + step - 1) / step, step,
+                  ROUTE_GEMV_MIN_K / step, &g.splits, &g.kchunk);
     return g;
 }
 
