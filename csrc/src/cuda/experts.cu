@@ -316,21 +316,20 @@ static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool
     }
 }
 
+/* Blocks of one 16-row kernel an SM holds (0 if the query fails). */
+template <bool GLU, int BK, int BN> static int mma16_occupancy() {
+    int blocks = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, mma_kernel<__nv_bfloat16, 16, GLU, BK, BN>, 2 * BN, mma_smem_bytes<16, GLU, BK, BN>());
+    return e == cudaSuccess ? blocks : 0;
+}
+
 /* Blocks of the 16-row kernel (BN = 128, or narrow) one SM holds, for the wave estimate below: the
  * kernel mma_launch_bn picks for (wide_k, long_k). */
 template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k, bool long_k) {
-    constexpr int LBK = mma_bk<16, GLU, BN, true>(), WBK = mma_bk<16, GLU, BN>();
-    int blocks = 0;
-    cudaError_t e = long_k   ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, LBK, BN>, 2 * BN,
-                                   mma_smem_bytes<16, GLU, LBK, BN>())
-                    : wide_k ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, WBK, BN>, 2 * BN,
-                                   mma_smem_bytes<16, GLU, WBK, BN>())
-                             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                   &blocks, mma_kernel<__nv_bfloat16, 16, GLU, 32, BN>, 2 * BN,
-                                   mma_smem_bytes<16, GLU, 32, BN>());
-    return e == cudaSuccess ? blocks : 0;
+    if (long_k) return mma16_occupancy<GLU, mma_bk<16, GLU, BN, true>(), BN>();
+    if (wide_k) return mma16_occupancy<GLU, mma_bk<16, GLU, BN>(), BN>();
+    return mma16_occupancy<GLU, 32, BN>();
 }
 
 /* The BK=64 kernels take up to 3 * 288 rows * 128 bytes of shared memory per block: more than devices
