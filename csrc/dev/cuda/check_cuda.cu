@@ -13,7 +13,8 @@
  * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
  * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
  * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
- * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages; for routing, the
+ * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages (with 2 and with
+ * 3 stages ahead: compute-bound and streaming tiles); for routing, the
  * small-T kernel, the gemv, the gemv split along H (rows of 1000 and 4000 elements: 8 experts up to
  * T = 513, 60 experts below 256 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
  * split router GEMM (T >= 1024 with 60, 64 and 100 experts: one and two expert tiles), and the
@@ -567,6 +568,16 @@ int main(int argc, char **argv) {
                     if (quick && (r || T > 513)) continue;
                     run_case(deep, (colibri_expert_kind_t)kind, w, w, routings[r][0], routings[r][1], T, 0, rng);
                 }
+    /* the streaming 128-row tiles (fewer assignments than a tile per expert: 100 each): the wgmma
+     * kernel 3 stages ahead with K cycling its ring (up K = 512; down K = 1088, ending inside a k step),
+     * N ending inside a column block (GLU 1088 = 8.5 x 128), more items than SMs for the up projection
+     * (the ring running on across items), experts' second tiles of at most 64 rows */
+    const Shape stream = {16, 4, 512, 1088};
+    for (int kind = 0; kind < 2; kind++)
+        for (colibri_dtype_t w : {COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16}) {
+            if (quick && (kind || w == COLIBRI_DTYPE_F16)) continue;
+            run_case(stream, (colibri_expert_kind_t)kind, w, w, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 400, 0, rng);
+        }
     /* long rows (K >= 4096): the BK=128 tensor-core tiles of 32 rows (T=32) beside those of 16 (T=8),
      * K = 4104 ending inside a k tile of the down projection */
     const Shape longk = {4, 2, 4096, 4104};

@@ -126,9 +126,21 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     constexpr uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
     constexpr uint32_t STAGE_BYTES = A_BYTES + NMAT * B_BYTES;
 
-    pdl_begin();
-    if ((int)blockIdx.x >= *a.num_tiles) return;
-    const ExpertTile tile = a.tiles[blockIdx.x];
+    /* a.early (the second projection): the tile table was complete before the first projection's
+     * blocks passed their wait, and they let this kernel launch only after it (below), so this block
+     * reads its tile (from L2) and issues its first stages' weights before it waits for x, the first
+     * projection's output: those loads run in the first projection's last wave. */
+    if (!a.early) {
+        pdl_wait();
+        pdl_trigger(); /* after the wait: the next kernel may read the tile table early */
+    }
+    if ((int)blockIdx.x >= __ldcg(a.num_tiles)) return;
+    static_assert(sizeof(ExpertTile) == sizeof(int4), "a tile is one 16-byte load");
+    ExpertTile tile;
+    {
+        const int4 t = __ldcg(reinterpret_cast<const int4 *>(a.tiles) + blockIdx.x);
+        tile = ExpertTile{t.x, t.y, t.z, t.w};
+    }
     const int n0 = blockIdx.y * BN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -160,7 +172,7 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     }
 
     const int ktiles = (a.k + BK - 1) / BK;
-    auto load_stage = [&](int kt) {
+    auto load_a = [&](int kt) {
         const uint32_t st = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES;
         const int k0 = kt * BK;
 #pragma unroll
@@ -171,6 +183,10 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
                 cp_async16(st + swz<BK>(idx / CPR, idx % CPR), ok ? (const void *)(a_src[i] + k0) : a.x, ok);
             }
         }
+    };
+    auto load_b = [&](int kt) {
+        const uint32_t st = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES;
+        const int k0 = kt * BK;
 #pragma unroll
         for (int m = 0; m < NMAT; m++) {
 #pragma unroll
@@ -193,15 +209,30 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
 #pragma unroll
                 for (int q = 0; q < 4; q++) acc[m][i][j][q] = 0.0f;
 
+    if (a.early) {
+        /* the first stages' weights now, their x rows after the wait: stage s's group then holds them
+         * both (stage 0's also the other stages' weights), complete by the time the loop waits for it */
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; s++)
+            if (s < ktiles) load_b(s);
+        pdl_wait();
+        pdl_trigger();
+    }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) {
-        if (s < ktiles) load_stage(s);
+        if (s < ktiles) {
+            load_a(s);
+            if (!a.early) load_b(s);
+        }
         cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        if (kt + STAGES - 1 < ktiles) load_stage(kt + STAGES - 1);
+        if (kt + STAGES - 1 < ktiles) {
+            load_a(kt + STAGES - 1);
+            load_b(kt + STAGES - 1);
+        }
         cp_async_commit();
         const uint32_t st = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES;
 #pragma unroll
@@ -492,6 +523,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
+        a.early = !bookkeeping; /* the second projection issues its first weights before its wait */
         const int64_t tokens = assignments / ctx->cfg.top_k;
         const bool long_k =
             b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, &ctx->cfg, tokens, GLU, n)));

@@ -59,7 +59,7 @@ struct ProjArgs {
     int32_t num_ids, num_experts;
     unsigned long long *totals; /* first projection of direct mode: per-expert counters, else NULL */
     int32_t *bad_id;            /* likewise: set when an id is out of range */
-    int32_t early;              /* second projection of direct mode: weights loaded before the wait */
+    int32_t early;              /* second projection (direct mode, tensor cores): weights loaded before the wait */
 };
 
 /* Direct mode: finds the blockIdx.x-th distinct valid expert of ids[0, n) in ascending id order, and
