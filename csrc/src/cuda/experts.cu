@@ -444,6 +444,14 @@ bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_t
            ctx->cfg.num_experts <= GEMV_DIRECT_MAX_E;
 }
 
+/* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
+ * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */
+static void mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, int32_t tile_m,
+                        bool glu, int32_t n, int32_t k, bool *long_k, bool *narrow) {
+    *long_k = b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, c, num_tokens, glu, n)));
+    *narrow = tile_m == 16 && mma_narrow(b, c, num_tokens, glu, n, *long_k);
+}
+
 /* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
  * x rows -> out [positions, n], weights at byte offset `first` (and `first + second` for the up matrix of
  * a GLU) inside each expert. `bookkeeping`: this projection keeps the direct mode's counters. */
@@ -492,10 +500,8 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
-        const int64_t tokens = assignments / ctx->cfg.top_k;
-        const bool long_k =
-            b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, &ctx->cfg, tokens, GLU, n)));
-        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, tokens, GLU, n, long_k);
+        bool long_k, narrow;
+        mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, GLU, n, k, &long_k, &narrow);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
