@@ -96,6 +96,9 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
                                  "workspace_tokens * top_k must stay below 2^31 on CUDA (got %zu * %d)", tokens,
                                  cfg->top_k);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
+    int major = 0;
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, b->device));
+    b->l2_prefetch = major == 9; /* the H200 is what the prefetch was planned for (NOTES.md, v11) */
     Carver measure = {NULL};
     carve_workspace(b, ctx, tokens, measure);
     err = cudaMalloc(&b->d_workspace, measure.used);
@@ -164,6 +167,10 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     const int32_t tile_m = colibri_cuda_experts_tile_m(ctx, num_tokens, act_dtype, input);
     const bool direct = colibri_cuda_experts_direct(ctx, num_tokens, tile_m);
     bool permuted = false;
+    /* The L2 prefetch of the up projection's first wave (NOTES.md, v11) runs beside the router's first
+     * kernel (colibri_cuda_launch_route), or, where no router kernel runs, before the permutation. First
+     * of all, before the router, it was slower: the router then waits for it. */
+    const bool prefetch_late = topk_ids || !b->router;
     if (!topk_ids) {
         st = colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, b->ids, b->wts, direct ? 0 : tile_m,
                                        &permuted, s);
@@ -172,6 +179,7 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
         topk_weights = b->wts;
     }
     const int32_t *direct_ids = direct ? topk_ids : NULL;
+    if (prefetch_late && (st = colibri_cuda_launch_prefetch(ctx, num_tokens, tile_m, s)) != COLIBRI_OK) return st;
     if (!direct && !permuted && (st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, s)) != COLIBRI_OK)
         return st;
     if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, s)) != COLIBRI_OK)

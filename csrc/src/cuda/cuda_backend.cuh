@@ -66,6 +66,7 @@ struct CudaBackend {
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
+    bool l2_prefetch;           /* compute capability 9.x: the first wave's weights are prefetched during routing */
     size_t permute_smem;
 };
 
@@ -218,6 +219,18 @@ bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_t
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
                                              const int32_t *direct_ids, cudaStream_t stream);
+/* Rows [0, rows) of matrices [0, matrices) of the first projection of experts [0, experts), bytes [0, bytes)
+ * of each row: what the up projection's first wave of blocks reads first if every expert is touched. */
+struct PrefetchPlan {
+    int32_t experts, matrices, rows;
+    uint32_t bytes;
+};
+/* Empty (experts 0) off compute capability 9.x and where the projection is not a memory-bound
+ * tensor-core GEMM. Host only: reads the backend's fields, queries nothing. */
+PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m);
+/* Enqueues that plan's L2 prefetch; OK doing nothing where it is empty. */
+colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
+                                              cudaStream_t stream);
 /* combine.cu */
 /* direct_ids: as for launch_experts (y rows are then assignment indices) */
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,

@@ -475,6 +475,14 @@ bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_t
            ctx->cfg.num_experts <= GEMV_DIRECT_MAX_E;
 }
 
+/* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
+ * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */
+static void mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, int32_t tile_m,
+                        bool glu, int32_t n, int32_t k, bool *long_k, bool *narrow) {
+    *long_k = b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, c, num_tokens, glu, n)));
+    *narrow = tile_m == 16 && mma_narrow(b, c, num_tokens, glu, n, *long_k);
+}
+
 /* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
  * x rows -> out [positions, n], weights at byte offset `first` (and `first + second` for the up matrix of
  * a GLU) inside each expert. `bookkeeping`: this projection keeps the direct mode's counters. */
@@ -524,10 +532,8 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
                                          stream);
         a.early = !bookkeeping; /* the second projection issues its first weights before its wait */
-        const int64_t tokens = assignments / ctx->cfg.top_k;
-        const bool long_k =
-            b->mma_long_k && (k >= MMA_LONG_K || (tile_m == 16 && mma16_long(b, &ctx->cfg, tokens, GLU, n)));
-        const bool narrow = tile_m == 16 && mma_narrow(b, &ctx->cfg, tokens, GLU, n, long_k);
+        bool long_k, narrow;
+        mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, GLU, n, k, &long_k, &narrow);
         return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
@@ -568,5 +574,147 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
                                          direct_ids, false, stream);
     });
     COLIBRI_CUDA_CHECK(err);
+    return COLIBRI_OK;
+}
+
+/* L2 prefetch of the up projection's first wave during the routing (NOTES.md, v11). From T = 16 to
+ * 256 tokens the expert GEMMs are memory-bound, and HBM idles through the 10-25 us of router gemv,
+ * top-k and permutation before them (v9's per-kernel table), because no expert kernel knows its experts
+ * before the tile table exists. Guessing that every expert is touched (true from T = 64 on for E =
+ * 60-64, k = 4-6, and for Mixtral from T = 16; 67-79% of the fine-grained experts at T = 16), a small
+ * kernel running beside the router fetches into L2 the first k steps of the weight rows the first wave
+ * of blocks starts on, about COLIBRI_PREFETCH_BYTES of them (L2: 50 MB on an H100/H200). */
+#ifndef COLIBRI_PREFETCH_BYTES
+#define COLIBRI_PREFETCH_BYTES (24u << 20)
+#endif
+#define PREFETCH_THREADS 256
+/* Shared memory of an H100/H200 SM, for the blocks of the 32- and 64-row kernels one SM holds (the
+ * 16-row ones have their occupancy measured at setup): the plan runs only on compute capability 9.x,
+ * and there the registers of the kernels it meets allow as many blocks (ptxas of nvcc 13: 104-168 for
+ * one or two blocks of 256 threads). */
+#define PREFETCH_SM_SMEM (228 * 1024)
+
+/* The first projection's grid as its first wave sees it: `blocks` blocks run at once, each reading `cols`
+ * rows of each matrix from k = 0 on in steps of `step` bytes; the blocks go through `group` column
+ * blocks of a tile before the next tile (mma_kernel: 1, its grid's x is the tile; wgmma_kernel: its
+ * items' WG_GROUP_N), the tiles in expert order. blocks 0: no prefetch. */
+struct PrefetchWave {
+    int blocks, cols, group, step;
+};
+
+/* The mma_kernel of BM-row tiles and BN columns that mma_launch_bn picks for (wide_k, long_k). */
+template <int BM, bool GLU, int BN> static PrefetchWave mma_wave(const CudaBackend *b, bool long_k) {
+    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
+    const int bk = LBK != WBK && long_k ? LBK : WBK > 32 && b->mma_wide_k ? WBK : 32;
+    const size_t smem = bk == LBK   ? mma_smem_bytes<BM, GLU, LBK, BN>()
+                        : bk == WBK ? mma_smem_bytes<BM, GLU, WBK, BN>()
+                                    : mma_smem_bytes<BM, GLU, 32, BN>();
+    /* 1 KB of an SM's shared memory is reserved per block */
+    const int by_smem = (int)(PREFETCH_SM_SMEM / (smem + 1024)), by_threads = 2048 / (2 * BN);
+    const int per_sm = BM == 16 ? b->mma16_blocks_per_sm[GLU][BN != MMA_BN][long_k]
+                                : by_smem < by_threads ? by_smem : by_threads;
+    return PrefetchWave{b->sm_count * per_sm, BN, 1, bk * 2};
+}
+
+template <bool GLU> static PrefetchWave mma_wave_of(const CudaBackend *b, int32_t tile_m, bool long_k, bool narrow) {
+    switch (tile_m) {
+    case 16: return narrow ? mma_wave<16, GLU, MMA_NARROW_BN>(b, long_k) : mma_wave<16, GLU, MMA_BN>(b, long_k);
+    case 32: return mma_wave<32, GLU, MMA_BN>(b, long_k);
+    default: return mma_wave<64, GLU, MMA_BN>(b, long_k);
+    }
+}
+
+/* The first projection's wave where it is a tensor-core GEMM (16-bit weights, more than GEMV_MAX_ASSIGNMENTS
+ * assignments) that streams its weights: tiles of up to 64 rows, or wgmma's tiles of 128 where the
+ * experts have fewer assignments than a tile on average (wgmma_launch's `streaming`; mma_kernel's
+ * 128-row tiles, which a cc 9.x device runs only without the sm_90a image, were not measured). The
+ * compute-bound tiles re-read their weights from L2 and need it for themselves; the gemv's few experts
+ * leave no wave to speak of. */
+static PrefetchWave prefetch_wave(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const bool glu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    const int64_t assignments = num_tokens * c->top_k;
+    if (!b->l2_prefetch || tile_m <= GEMV_GROUP || colibri_dtype_size(c->weight_dtype) != 2) return PrefetchWave{};
+    if (tile_m > 64) {
+        if (!b->wgmma || assignments >= (int64_t)WG_BM * c->num_experts) return PrefetchWave{};
+        return PrefetchWave{b->sm_count, glu ? WG_BN / 2 : WG_BN, WG_GROUP_N, WG_BK * 2};
+    }
+    bool long_k, narrow;
+    mma_variant(b, c, num_tokens, tile_m, glu, c->intermediate_size, c->hidden_size, &long_k, &narrow);
+    return glu ? mma_wave_of<true>(b, tile_m, long_k, narrow) : mma_wave_of<false>(b, tile_m, long_k, narrow);
+}
+
+/* Tiles come about one per touched expert (tile_m is ~1.5x the mean assignments per expert), more where
+ * experts overflow theirs. The first wave covers `group`-wide column blocks of the first tiles, or, when
+ * it reaches past the last tile, blocks / tiles column blocks of every tile (on average: wgmma's last
+ * group is partial): rows [0, rows) of the experts of its tiles.
+ * Then whole k steps of those rows up to the budget, or, where one k step of them is more, one k step of
+ * fewer rows (the first column blocks, dispatched first). */
+PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
+    PrefetchPlan p = {};
+    const PrefetchWave w = prefetch_wave(ctx, num_tokens, tile_m);
+    if (w.blocks <= 0) return p;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const double E = c->num_experts, n = c->intermediate_size;
+    const double tiles = fmax(mma16_touched(c, num_tokens), (double)(num_tokens * c->top_k) / tile_m);
+    const double width = fmin(w.group, ceil(n / w.cols));
+    double wave_tiles = ceil(w.blocks / width), col_blocks = width;
+    if (wave_tiles > tiles) {
+        wave_tiles = tiles;
+        col_blocks = ceil(w.blocks / tiles);
+    }
+    p.experts = (int32_t)fmin(E, ceil(wave_tiles * E / tiles - 1e-9));
+    p.matrices = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? 2 : 1;
+    p.rows = (int32_t)fmin(n, col_blocks * w.cols);
+    const size_t budget = COLIBRI_PREFETCH_BYTES, sets = (size_t)p.experts * p.matrices;
+    const size_t row_bytes = (size_t)c->hidden_size * 2;
+    size_t bytes = budget / (sets * p.rows) / w.step * w.step;
+    if (bytes == 0) {
+        bytes = w.step;
+        p.rows = (int32_t)(budget / (sets * bytes));
+    }
+    p.bytes = (uint32_t)(bytes < row_bytes ? bytes : row_bytes);
+    if (p.rows == 0) p = PrefetchPlan{};
+    return p;
+}
+
+/* Bytes [0, bytes) (a multiple of 16) of rows [0, rows) of matrices [0, nmat) of experts [0, ...) into L2,
+ * a row per thread and step: count = experts * nmat * rows. It reads only the weights, which no kernel
+ * writes, so it lets its dependents launch at once and waits for the kernel before it only at its end:
+ * the kernel after it, which waits for it, then still waits for that one. */
+__global__ void __launch_bounds__(PREFETCH_THREADS) weights_prefetch_kernel(const char *w, size_t expert_stride,
+                                                                            size_t second, int nmat, int rows,
+                                                                            size_t row_bytes, uint32_t bytes,
+                                                                            int count) {
+    pdl_trigger();
+    for (int i = blockIdx.x * PREFETCH_THREADS + threadIdx.x; i < count; i += gridDim.x * PREFETCH_THREADS) {
+        const int set = i / rows;
+        const char *row = w + (size_t)(set / nmat) * expert_stride + (size_t)(set % nmat) * second +
+                          (size_t)(i - set * rows) * row_bytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDACC_VER_MAJOR__ >= 12
+        /* the bulk-copy engine fetches the whole run: one instruction per row */
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "r"(bytes) : "memory");
+#else
+        for (uint32_t off = 0; off < bytes; off += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+#endif
+    }
+    pdl_wait();
+}
+
+colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
+                                              cudaStream_t stream) {
+    const PrefetchPlan p = colibri_cuda_prefetch_plan(ctx, num_tokens, tile_m);
+    if (p.experts == 0) return COLIBRI_OK;
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    /* the budget bounds count: at most COLIBRI_PREFETCH_BYTES / 64 rows */
+    const int count = p.experts * p.matrices * p.rows;
+    int blocks = (count + PREFETCH_THREADS - 1) / PREFETCH_THREADS;
+    blocks = blocks < 2 * b->sm_count ? blocks : 2 * b->sm_count;
+    const size_t row_bytes = (size_t)c->hidden_size * 2, mat = (size_t)c->intermediate_size * row_bytes;
+    COLIBRI_CUDA_CHECK(colibri_launch(weights_prefetch_kernel, dim3((unsigned)blocks), dim3(PREFETCH_THREADS), 0,
+                                      stream, (const char *)b->d_weights, b->expert_stride, mat, p.matrices, p.rows,
+                                      row_bytes, p.bytes, count));
     return COLIBRI_OK;
 }

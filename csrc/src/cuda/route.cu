@@ -527,6 +527,12 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
         splits = launch_logits(ctx, num_tokens, act_dtype, input, stream, &err);
         COLIBRI_CUDA_CHECK(err);
     }
+    /* The forward's L2 prefetch of the first expert weights (NOTES.md, v11) runs beside the router's
+     * first kernel, which lets its dependents launch as it starts. */
+    if (b->router && permute_tile_m > 0) {
+        colibri_status_t st = colibri_cuda_launch_prefetch(ctx, num_tokens, permute_tile_m, stream);
+        if (st != COLIBRI_OK) return st;
+    }
     const unsigned topk_blocks = (unsigned)((num_tokens + 7) / 8);
     if (c->routing_fn) {
         if (splits > 1) /* the routing_fn gets whole logits */
