@@ -317,16 +317,24 @@ template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k, bool 
     return mma_setup_bm<T, 128, GLU>(wide_k, long_k);
 }
 
+/* The BK of the BN-column kernel of BM-row tiles that runs for (wide_k, long_k): the long-K one where it
+ * differs and the projection takes it, the BK=64 one where the device has its shared memory, else 32. */
+template <int BM, bool GLU, int BN> static int mma_pick_bk(bool wide_k, bool long_k) {
+    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
+    return LBK != WBK && long_k ? LBK : WBK > 32 && wide_k ? WBK : 32;
+}
+
 template <class T, int BM, bool GLU, int BN>
 static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, bool long_k, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
     constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
+    const int bk = mma_pick_bk<BM, GLU, BN>(wide_k, long_k);
     if constexpr (LBK != WBK)
-        if (long_k)
+        if (bk == LBK)
             return colibri_launch(mma_kernel<T, BM, GLU, LBK, BN>, grid, dim3(2 * BN),
                                   mma_smem_bytes<BM, GLU, LBK, BN>(), stream, a);
     if constexpr (WBK > 32)
-        if (wide_k)
+        if (bk == WBK)
             return colibri_launch(mma_kernel<T, BM, GLU, WBK, BN>, grid, dim3(2 * BN),
                                   mma_smem_bytes<BM, GLU, WBK, BN>(), stream, a);
     return colibri_launch(mma_kernel<T, BM, GLU, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, GLU, 32, BN>(),
@@ -605,7 +613,7 @@ struct PrefetchWave {
 /* The mma_kernel of BM-row tiles and BN columns that mma_launch_bn picks for (wide_k, long_k). */
 template <int BM, bool GLU, int BN> static PrefetchWave mma_wave(const CudaBackend *b, bool long_k) {
     constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
-    const int bk = LBK != WBK && long_k ? LBK : WBK > 32 && b->mma_wide_k ? WBK : 32;
+    const int bk = mma_pick_bk<BM, GLU, BN>(b->mma_wide_k, long_k);
     const size_t smem = bk == LBK   ? mma_smem_bytes<BM, GLU, LBK, BN>()
                         : bk == WBK ? mma_smem_bytes<BM, GLU, WBK, BN>()
                                     : mma_smem_bytes<BM, GLU, 32, BN>();
