@@ -260,7 +260,8 @@ __global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
  * against 20.6: the top-k kernel adds 16 splits there); with 8 experts (Mixtral) never (T = 4096: the
  * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). The gemv's split (route_gemv_plan)
  * leaves all of these gemv shapes whole; the GEMM's T = 256 was measured while the top-k kernel still
- * loaded the 16 partials one after another. */
+ * loaded the 16 partials one after another. Re-timed after the split gemv (NOTES.md, v11 F): the gemv
+ * up to T = 8191 made whole forwards 0.97x at T = 1024 and 0.94-0.95x at T = 4096 (DeepSeek, Qwen). */
 #ifndef ROUTE_GEMM_MIN_T
 #define ROUTE_GEMM_MIN_T 1024
 #endif
