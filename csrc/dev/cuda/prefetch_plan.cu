@@ -18,13 +18,10 @@ int main(void) {
     CudaBackend b = {};
     int devices = 0;
     if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
-        int major = 0;
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
         if (colibri_cuda_experts_setup(&b) != COLIBRI_OK) {
             fprintf(stderr, "prefetch_plan: experts setup failed: %s\n", colibri_last_error());
             return 1;
         }
-        b.l2_prefetch = major == 9;
     } else {
         b.sm_count = 132;
         b.wgmma = b.mma_wide_k = b.mma_long_k = b.l2_prefetch = true;

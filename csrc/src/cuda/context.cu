@@ -96,9 +96,6 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
                                  "workspace_tokens * top_k must stay below 2^31 on CUDA (got %zu * %d)", tokens,
                                  cfg->top_k);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
-    int major = 0;
-    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, b->device));
-    b->l2_prefetch = major == 9; /* the H200 is what the prefetch was planned for (NOTES.md, v11) */
     Carver measure = {NULL};
     carve_workspace(b, ctx, tokens, measure);
     err = cudaMalloc(&b->d_workspace, measure.used);

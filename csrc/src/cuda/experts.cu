@@ -385,6 +385,9 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w, l)));
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     b->wgmma = wgmma_available(b->device);
+    int major = 0;
+    COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, b->device));
+    b->l2_prefetch = major == 9; /* the H200 is what the prefetch was planned for (NOTES.md, v11) */
     if (b->wgmma) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, true>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, false>()));
@@ -483,6 +486,12 @@ bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_t
            ctx->cfg.num_experts <= GEMV_DIRECT_MAX_E;
 }
 
+/* Whether the 128-row tiles of a projection of `assignments` stream their weights from HBM: the experts
+ * have fewer assignments than a tile on average (wgmma_launch's `streaming`, and the prefetch plan). */
+static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
+    return assignments < (int64_t)WG_BM * c->num_experts;
+}
+
 /* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
  * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */
 static void mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, int32_t tile_m,
@@ -537,8 +546,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
         if (tile_m == WG_BM && b->wgmma)
-            return wgmma_launch<TW, GLU>(a, slots, b->sm_count, assignments < (int64_t)WG_BM * ctx->cfg.num_experts,
-                                         stream);
+            return wgmma_launch<TW, GLU>(a, slots, b->sm_count, wg_streaming(&ctx->cfg, assignments), stream);
         a.early = !bookkeeping; /* the second projection issues its first weights before its wait */
         bool long_k, narrow;
         mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, GLU, n, k, &long_k, &narrow);
@@ -645,7 +653,7 @@ static PrefetchWave prefetch_wave(const colibri_moe_context_t *ctx, int64_t num_
     const int64_t assignments = num_tokens * c->top_k;
     if (!b->l2_prefetch || tile_m <= GEMV_GROUP || colibri_dtype_size(c->weight_dtype) != 2) return PrefetchWave{};
     if (tile_m > 64) {
-        if (!b->wgmma || assignments >= (int64_t)WG_BM * c->num_experts) return PrefetchWave{};
+        if (!b->wgmma || !wg_streaming(c, assignments)) return PrefetchWave{};
         return PrefetchWave{b->sm_count, glu ? WG_BN / 2 : WG_BN, WG_GROUP_N, WG_BK * 2};
     }
     bool long_k, narrow;
