@@ -579,11 +579,12 @@ int main(int argc, char **argv) {
             run_case(stream, (colibri_expert_kind_t)kind, w, w, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 400, 0, rng);
         }
     /* long rows (K >= 4096): the BK=128 tensor-core tiles of 32 rows (T=32) beside those of 16 (T=8),
-     * K = 4104 ending inside a k tile of the down projection */
+     * K = 4104 ending inside a k tile of the down projection; at T=4 the few-tokens path's down projection
+     * with the combine folded in over rows of more than 8 KB (a warp per row and assignment) */
     const Shape longk = {4, 2, 4096, 4104};
     for (int kind = 0; kind < 2; kind++)
         for (colibri_dtype_t w : {COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16})
-            for (int T : {8, 32}) {
+            for (int T : {4, 8, 32}) {
                 if (quick && (kind || w == COLIBRI_DTYPE_F16 || T == 8)) continue;
                 run_case(longk, (colibri_expert_kind_t)kind, w, w, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, 0, rng);
             }

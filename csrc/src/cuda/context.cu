@@ -179,8 +179,11 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     if (prefetch_late && (st = colibri_cuda_launch_prefetch(ctx, num_tokens, tile_m, s)) != COLIBRI_OK) return st;
     if (!direct && !permuted && (st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, s)) != COLIBRI_OK)
         return st;
-    if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, s)) != COLIBRI_OK)
+    bool combined = false;
+    if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, topk_weights, output,
+                                          &combined, s)) != COLIBRI_OK)
         return st;
+    if (combined) return COLIBRI_OK;
     return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_weights, direct_ids, output, s);
 }
 

@@ -215,10 +215,13 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b);
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input);
 bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m);
-/* direct_ids: the forward's topk ids when colibri_cuda_experts_direct (no permute ran), else NULL */
+/* direct_ids: the forward's topk ids when colibri_cuda_experts_direct (no permute ran), else NULL.
+ * *combined: the last projection also summed the top-k into output (direct mode, few assignments), so
+ * no combine is to follow; else it wrote y. */
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
-                                             const int32_t *direct_ids, cudaStream_t stream);
+                                             const int32_t *direct_ids, const float *topk_weights, void *output,
+                                             bool *combined, cudaStream_t stream);
 /* Rows [0, rows) of matrices [0, matrices) of the first projection of experts [0, experts), bytes [0, bytes)
  * of each row: what the up projection's first wave of blocks reads first if every expert is touched. */
 struct PrefetchPlan {

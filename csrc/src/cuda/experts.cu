@@ -445,7 +445,9 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
  * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. Measured on the H200
  * (NOTES.md, v4): gemv faster at T*k <= 8 (Mixtral T=1, 4; DeepSeek/Qwen T=1), the 16-row tensor-core
  * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). */
+#ifndef GEMV_MAX_ASSIGNMENTS
 #define GEMV_MAX_ASSIGNMENTS 8
+#endif
 
 /* Direct mode with short rows (at most this many bytes of weights per warp and row: fine-grained experts,
  * 2.8-8 KB) launches about GEMV_LOOP_BLOCKS_PER_SM blocks per SM (what the registers of the 1- and
@@ -555,15 +557,52 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     return cudaErrorInvalidValue;
 }
 
+/* Direct mode's down projection with the combine folded in (gemv_combine_kernel), as a ProjArgs like
+ * project()'s and the output rows per block: about GEMV_LOOP_BLOCKS_PER_SM blocks per SM where the
+ * rows are short (the rows x assignments pairs spread over them), else one pair per warp (long rows:
+ * Mixtral's 28 KB). */
+template <class TW, class TA>
+static cudaError_t project_combine(const colibri_moe_context_t *ctx, int64_t assignments, size_t first,
+                                   const int32_t *direct_ids, const float *topk_weights, TA *out,
+                                   cudaStream_t stream) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const int32_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
+    ProjArgs a = {};
+    a.w = b->d_weights + first;
+    a.w_expert_stride = b->expert_stride;
+    a.n = H;
+    a.k = F;
+    a.x = b->inter;
+    a.row_div = 1;
+    a.ids = direct_ids;
+    a.num_ids = (int32_t)assignments;
+    a.num_experts = ctx->cfg.num_experts;
+    a.early = 1;
+    int64_t rows;
+    if ((size_t)F * sizeof(TW) <= GEMV_SHORT_ROW_BYTES) {
+        const int64_t blocks = (int64_t)GEMV_LOOP_BLOCKS_PER_SM * b->sm_count;
+        rows = (H + blocks - 1) / blocks;
+    } else {
+        rows = (GEMV_WARPS + assignments - 1) / assignments;
+    }
+    rows = rows < 1 ? 1 : rows > GEMV_COMBINE_ROWS ? GEMV_COMBINE_ROWS : rows;
+    return gemv_combine_launch<TW, TA>(a, topk_weights, ctx->cfg.top_k, (int)rows, out, stream);
+}
+
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
-                                             const int32_t *direct_ids, cudaStream_t stream) {
+                                             const int32_t *direct_ids, const float *topk_weights, void *output,
+                                             bool *combined, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
     const int64_t assignments = num_tokens * c->top_k;
     const int32_t H = c->hidden_size, F = c->intermediate_size;
     const size_t wsize = colibri_dtype_size(c->weight_dtype), mat = (size_t)F * H * wsize;
     const bool swiglu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    const colibri_dtype_t out_dtype = act_dtype;
+    /* the down projection of direct mode sums the top-k itself where its rows allow 16-byte loads */
+    const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX && F % 8 == 0;
+    *combined = false;
     /* the tensor-core path reads x in the weight dtype */
     if (tile_m > GEMV_GROUP && act_dtype != c->weight_dtype) {
         colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, c->weight_dtype,
@@ -585,11 +624,19 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
                 err = project<TW, TX, false>(ctx, assignments, tile_m, 0, 0, F, H, input, b->perm, b->y,
                                              in_aligned, direct_ids, true, stream);
         });
-        if (err == cudaSuccess && swiglu)
+        if (err == cudaSuccess && fold) {
+            colibri_dispatch_dtype(out_dtype, [&](auto ta) {
+                using TA = typename decltype(ta)::type;
+                err = project_combine<TW, TA>(ctx, assignments, 2 * mat, direct_ids, topk_weights, (TA *)output,
+                                              stream);
+            });
+        } else if (err == cudaSuccess && swiglu) {
             err = project<TW, TW, false>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
                                          direct_ids, false, stream);
+        }
     });
     COLIBRI_CUDA_CHECK(err);
+    *combined = fold;
     return COLIBRI_OK;
 }
 

@@ -162,22 +162,12 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
     }
 }
 
-/* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. The K range
- * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
-template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
-__device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
-                                          int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait) {
+/* This warp's row w0 (and w1) dotted with NT token rows xr over elements [0, kl) of each (the pointers
+ * already at the range's start), summed over the warp: every lane gets the NT sums. */
+template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL>
+__device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int lane, int kl,
+                                         float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
     constexpr int STEP = 32 * VW;
-    const TX *xr[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        int out_row, x_row;
-        gemv_position(a, s_pos, p0 + (t < count ? t : count - 1), out_row, x_row);
-        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k + kb;
-    }
-    w0 += kb;
-    w1 += kb;
-    float acc0[NT], acc1[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
 
@@ -198,6 +188,22 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
             if (GLU) acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], off);
         }
     }
+}
+
+/* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. The K range
+ * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
+template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
+__device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
+                                          int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait) {
+    const TX *xr[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        int out_row, x_row;
+        gemv_position(a, s_pos, p0 + (t < count ? t : count - 1), out_row, x_row);
+        xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k + kb;
+    }
+    float acc0[NT], acc1[NT];
+    gemv_dot<TW, TX, VW, GLU, NT, UNROLL>(w0 + kb, w1 + kb, xr, lane, kl, acc0, acc1, must_wait);
     TO *out = reinterpret_cast<TO *>(out_v);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -276,6 +282,65 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
             gemv_pass<TW, TX, TO, VW, GLU, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
                                                     must_wait);
     }
+}
+
+/* Direct mode's last projection with the weighted top-k sum folded in (GEMV_COMBINE_MAX assignments at
+ * most, one matrix): out[t, n] = sum_j wts[t k + j] * y(t k + j, n), j in order, where y is the
+ * projection of assignment t k + j rounded to the weight dtype, exactly as gemv_kernel writes it and
+ * combine.cu sums it: the output is the same bits as the two kernels give, without y's round trip
+ * through memory and the combine kernel's launch after the last weight arrives. Block b takes output
+ * rows [b rows, (b + 1) rows); its warps share the rows x assignments pairs (r, i), q = r A + i, q =
+ * warp, warp + 8, ..., so a warp's pairs are mostly one expert's rows; the sums meet in shared memory.
+ * Like the early second projection of gemv_kernel it lets the next kernel launch at once, reads the
+ * ids from L2 and issues its first row's weights before it waits for inter. */
+#define GEMV_COMBINE_MAX 8   /* assignments: the few-tokens path where tensor cores could run */
+#define GEMV_COMBINE_ROWS 64 /* most output rows per block (shared memory) */
+
+template <class TW, class TA, int VW>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
+    gemv_combine_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out) {
+    __shared__ int s_e[GEMV_COMBINE_MAX];
+    __shared__ float s_y[GEMV_COMBINE_ROWS][GEMV_COMBINE_MAX];
+    pdl_trigger();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, A = a.num_ids;
+    if (tid < A) {
+        const int e = __ldcg(a.ids + tid);
+        s_e[tid] = (unsigned)e < (unsigned)a.num_experts ? e : -1;
+    }
+    __syncthreads();
+    const int n0 = blockIdx.x * rows, nr = min(rows, a.n - n0);
+    constexpr int U = gemv_unroll<VW, false, 1>();
+    bool must_wait = true;
+    for (int q = warp; q < nr * A; q += GEMV_WARPS) {
+        const int r = q / A, i = q - r * A, e = s_e[i];
+        if (e < 0) continue;
+        const TW *w = reinterpret_cast<const TW *>(a.w + (size_t)e * a.w_expert_stride) + (size_t)(n0 + r) * a.k;
+        const TW *const xr[1] = {reinterpret_cast<const TW *>(a.x) + (size_t)i * a.k};
+        float acc0[1], acc1[1];
+        gemv_dot<TW, TW, VW, false, 1, U>(w, w, xr, lane, a.k, acc0, acc1, must_wait);
+        if (lane == 0) s_y[r][i] = to_f32(from_f32<TW>(acc0[0]));
+    }
+    if (must_wait) pdl_wait(); /* the weights below: the routing's, visible after the wait */
+    __syncthreads();
+    for (int q = tid; q < (A / top_k) * nr; q += blockDim.x) {
+        const int t = q / nr, r = q - t * nr;
+        float acc = 0.0f;
+        for (int j = 0; j < top_k; j++) {
+            const int i = t * top_k + j;
+            if (s_e[i] >= 0) acc = fmaf(wts[i], s_y[r][i], acc);
+        }
+        out[(size_t)t * a.n + n0 + r] = from_f32<TA>(acc);
+    }
+}
+
+/* Launches gemv_combine_kernel (a.ids, a.num_ids <= GEMV_COMBINE_MAX, 16-byte rows: the caller checks)
+ * with `rows` (<= GEMV_COMBINE_ROWS) output rows per block. */
+template <class TW, class TA>
+static cudaError_t gemv_combine_launch(const ProjArgs &a, const float *wts, int top_k, int rows, TA *out,
+                                       cudaStream_t stream) {
+    const dim3 grid((unsigned)((a.n + rows - 1) / rows));
+    return colibri_launch(gemv_combine_kernel<TW, TA, 16 / sizeof(TW)>, grid, GEMV_WARPS * 32, 0, stream, a, wts,
+                          top_k, rows, out);
 }
 
 /* The router's launch split along K (gemv_launch_groups with splits > 1): gemv_kernel's group mode

@@ -53,9 +53,17 @@ template <class F> __device__ __forceinline__ void for_lane_logits(const float (
     for (int e = lane + 32 * TOPK_REG; e < E; e += 32) f(__ldcg(l + e), e);
 }
 
+/* A pick's weight before any normalisation, from its logit (mx, sum: the softmax's max and sum). */
+__device__ __forceinline__ float topk_raw_weight(colibri_routing_t routing, float lg, float mx, float sum) {
+    return routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? expf(lg - mx) / sum
+           : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0f / (1.0f + expf(-lg))
+                                                     : lg;
+}
+
 /* One warp, one token: pick k times the best score ranked after the previous pick (no set of chosen
- * ids to keep, and any E and k work), the pick's logit carried along. Lane 0 then forms the weights
- * from the chosen logits. The logits are read from L2 (__ldcg): another block of the same launch may
+ * ids to keep, and any E and k work), the pick's logit carried along. Lane j keeps pick j's logit
+ * and forms its weight, the norm's sum gathered by shuffles (one L2 round trip fewer per pick than
+ * lane 0 re-reading the weights it wrote; NOTES.md, v12). The logits are read from L2 (__ldcg): another block of the same launch may
  * have written them. */
 __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
@@ -78,6 +86,9 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
     float *w_t = p.wts + (size_t)t * k;
     float prev_s = INFINITY;
     int prev_e = -1;
+    /* up to 32 picks: pick j's logit stays with lane j, which writes the id and, once the norm is
+     * known, the weight; beyond that lane 0 writes them as it goes and finishes from memory */
+    float mine = 0.0f;
     for (int j = 0; j < k; j++) {
         float best_s = -INFINITY, best_l = 0.0f;
         int best_e = 0x7fffffff;
@@ -95,13 +106,27 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
         }
         prev_s = best_s;
         prev_e = best_e;
-        if (lane == 0) {
-            const float lg = best_l;
+        if (lane == (k <= 32 ? j : 0)) {
             ids_t[j] = best_e;
-            w_t[j] = routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? expf(lg - mx) / sum
-                     : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0f / (1.0f + expf(-lg))
-                                                               : lg;
+            mine = best_l;
+            if (k > 32) w_t[j] = topk_raw_weight(routing, best_l, mx, sum);
         }
+    }
+    if (k <= 32) {
+        /* the same operations in the same order as the loop over memory below: the same bits */
+        float w = topk_raw_weight(routing, mine, mx, sum);
+        float norm = 1.0f;
+        if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
+            const float m = __shfl_sync(0xffffffffu, w, 0); /* ids come in descending logit order */
+            w = expf(w - m);
+        }
+        if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX || p.renormalize) {
+            float s = 0.0f;
+            for (int j = 0; j < k; j++) s += __shfl_sync(0xffffffffu, w, j);
+            norm = s;
+        }
+        if (lane < k) w_t[lane] = w / norm * p.scale;
+        return;
     }
     if (lane != 0) return;
     float norm = 1.0f;
