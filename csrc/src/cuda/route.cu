@@ -60,12 +60,11 @@ __device__ __forceinline__ float topk_raw_weight(colibri_routing_t routing, floa
                                                      : lg;
 }
 
-/* One warp, one token: pick k times the best score ranked after the previous pick (no set of chosen
- * ids to keep, and any E and k work), the pick's logit carried along. Lane j keeps pick j's logit
- * and forms its weight, the norm's sum gathered by shuffles (one L2 round trip fewer per pick than
- * lane 0 re-reading the weights it wrote; NOTES.md, v12). The logits are read from L2 (__ldcg): another block of the same launch may
- * have written them. */
-__device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
+/* One warp, one token, E > TOPK_RANK_MAX_E: pick k times the best score ranked after the previous pick
+ * (no set of chosen ids to keep, and any E and k work), the pick's logit carried along. Lane 0 then
+ * forms the weights from the chosen logits. The logits are read from L2 (__ldcg): another block of the
+ * same launch may have written them. */
+__device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
     float v[TOPK_REG];
@@ -86,9 +85,6 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
     float *w_t = p.wts + (size_t)t * k;
     float prev_s = INFINITY;
     int prev_e = -1;
-    /* up to 32 picks: pick j's logit stays with lane j, which writes the id and, once the norm is
-     * known, the weight; beyond that lane 0 writes them as it goes and finishes from memory */
-    float mine = 0.0f;
     for (int j = 0; j < k; j++) {
         float best_s = -INFINITY, best_l = 0.0f;
         int best_e = 0x7fffffff;
@@ -106,27 +102,11 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
         }
         prev_s = best_s;
         prev_e = best_e;
-        if (lane == (k <= 32 ? j : 0)) {
+        if (lane == 0) {
+            const float lg = best_l;
             ids_t[j] = best_e;
-            mine = best_l;
-            if (k > 32) w_t[j] = topk_raw_weight(routing, best_l, mx, sum);
+            w_t[j] = topk_raw_weight(routing, lg, mx, sum);
         }
-    }
-    if (k <= 32) {
-        /* the same operations in the same order as the loop over memory below: the same bits */
-        float w = topk_raw_weight(routing, mine, mx, sum);
-        float norm = 1.0f;
-        if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
-            const float m = __shfl_sync(0xffffffffu, w, 0); /* ids come in descending logit order */
-            w = expf(w - m);
-        }
-        if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX || p.renormalize) {
-            float s = 0.0f;
-            for (int j = 0; j < k; j++) s += __shfl_sync(0xffffffffu, w, j);
-            norm = s;
-        }
-        if (lane < k) w_t[lane] = w / norm * p.scale;
-        return;
     }
     if (lane != 0) return;
     float norm = 1.0f;
@@ -142,6 +122,81 @@ __device__ __forceinline__ void topk_token(const float *l, const TopkArgs &p, in
         norm = s;
     }
     for (int j = 0; j < k; j++) w_t[j] = w_t[j] / norm * p.scale;
+}
+
+/* The rank top-k serves E <= 64: a lane holds experts lane and lane + 32. */
+#define TOPK_RANK_MAX_E 64
+
+/* One warp, one token, E <= TOPK_RANK_MAX_E: each lane ranks its two experts against all E at once
+ * (rank = how many experts rank before it: 64 shuffles that do not wait on each other, where the
+ * picks are k rounds of dependent reductions), and the experts of rank j < k are pick j. The same ids
+ * in the same order as topk_token_picks, and the weights formed by the same operations in the same
+ * order: the same bits. The forward of one token was 1.3-2 us faster with it (NOTES.md, v12). */
+__device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &p, int t, int lane) {
+    const int E = p.E, k = p.k;
+    const colibri_routing_t routing = p.routing;
+    const bool h0 = lane < E, h1 = lane + 32 < E;
+    const float x0 = h0 ? __ldcg(l + lane) : 0.0f, x1 = h1 ? __ldcg(l + lane + 32) : 0.0f;
+    const float s0 = h0 ? selection_score(routing, x0, p.bias, lane) : -INFINITY;
+    const float s1 = h1 ? selection_score(routing, x1, p.bias, lane + 32) : -INFINITY;
+    float mx = -INFINITY;
+    if (h0) mx = fmaxf(mx, x0);
+    if (h1) mx = fmaxf(mx, x1);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.0f;
+    if (routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
+        if (h0) sum += expf(x0 - mx);
+        if (h1) sum += expf(x1 - mx);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    }
+    int r0 = 0, r1 = 0;
+#pragma unroll 1
+    for (int src = 0; src < 32; src++) {
+        const float a = __shfl_sync(0xffffffffu, s0, src), b = __shfl_sync(0xffffffffu, s1, src);
+        const bool ha = src < E, hb = src + 32 < E;
+        r0 += (ha && ranks_before(a, src, s0, lane)) + (hb && ranks_before(b, src + 32, s0, lane));
+        r1 += (ha && ranks_before(a, src, s1, lane + 32)) + (hb && ranks_before(b, src + 32, s1, lane + 32));
+    }
+    if (!h0) r0 = E; /* not an expert: never picked */
+    if (!h1) r1 = E;
+    float w0 = topk_raw_weight(routing, x0, mx, sum), w1 = topk_raw_weight(routing, x1, mx, sum);
+    /* pick j's value, from whichever lane holds rank j */
+    auto pick = [&](int j, float v0, float v1) {
+        const unsigned m = __ballot_sync(0xffffffffu, r0 == j || r1 == j);
+        return __shfl_sync(0xffffffffu, r0 == j ? v0 : v1, __ffs(m) - 1);
+    };
+    float norm = 1.0f;
+    if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
+        const float m = pick(0, w0, w1); /* the first pick has the largest logit */
+        w0 = expf(w0 - m);
+        w1 = expf(w1 - m);
+    }
+    if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX || p.renormalize) {
+        float s = 0.0f;
+        for (int j = 0; j < k; j++) s += pick(j, w0, w1);
+        norm = s;
+    }
+    int32_t *ids_t = p.ids + (size_t)t * k;
+    float *w_t = p.wts + (size_t)t * k;
+    if (r0 < k) {
+        ids_t[r0] = lane;
+        w_t[r0] = w0 / norm * p.scale;
+    }
+    if (r1 < k) {
+        ids_t[r1] = lane + 32;
+        w_t[r1] = w1 / norm * p.scale;
+    }
+}
+
+/* One warp, one token: ids and weights of its top-k (topk_token_rank where E allows, else the picks).
+ * Not inlined, and the rank loop not unrolled: less code for the route kernel's last block, which runs
+ * it alone after every other block has finished; 1.3-4.5 us faster per decode forward than inlined
+ * (NOTES.md, v12). */
+static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
+    if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
+    else topk_token_picks(l, p, t, lane);
 }
 
 /* Most splits along H of either router path (the GEMM's and the gemv's). */
