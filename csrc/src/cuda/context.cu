@@ -2,7 +2,8 @@
  * context.cu — the CUDA backend's life cycle and orchestration: init copies the experts to the device
  * in one allocation (each expert 256-byte aligned) and sizes all workspace for workspace_tokens in a
  * second one; forward only enqueues kernels on the caller's stream (route -> permute -> experts ->
- * combine), so it can be captured in a CUDA graph; counters and the bad-id flag live on the device
+ * combine; at decode no permute, and for SWIGLU the down projection does the combine), so it can be
+ * captured in a CUDA graph; counters and the bad-id flag live on the device
  * and are read back with a synchronisation. Every entry runs on the context's device and gives the
  * caller's current device back.
  */

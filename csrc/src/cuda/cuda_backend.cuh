@@ -9,7 +9,9 @@
  *               a tile table of (expert, first position, end position); skipped for few assignments
  *               (decode), where the gemv blocks find their experts in the ids and positions are t*k+j
  *   experts.cu  up projection (SWIGLU: silu(gate x) * up x) -> inter [T*k, F]; down -> y [T*k, H]
- *   combine.cu  out[t] = sum_j w[t, j] * y[inv[t*k+j]] in j order (deterministic, no float atomics)
+ *   combine.cu  out[t] = sum_j w[t, j] * y[inv[t*k+j]] in j order (deterministic, no float atomics);
+ *               at decode (direct mode, SWIGLU, at most 8 assignments) the down projection sums the
+ *               same way itself and writes out (gemv.cuh, gemv_combine_kernel)
  */
 #ifndef COLIBRI_CUDA_BACKEND_CUH
 #define COLIBRI_CUDA_BACKEND_CUH

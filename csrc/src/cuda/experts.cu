@@ -16,7 +16,8 @@
  *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
  *    run on wgmma (wgmma.cuh) where the device runs the sm_90a image.
  * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order (the
- * gemv's direct mode: in assignment order t*k+j).
+ * gemv's direct mode: in assignment order t*k+j), except where direct mode's SWIGLU down projection
+ * sums the top-k into the output itself (gemv_combine_kernel: at most 8 assignments).
  */
 #include <math.h>
 
@@ -444,10 +445,9 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
  * few experts touched a tensor-core grid (a row of blocks per expert, each looping over all of K)
  * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. Measured on the H200
  * (NOTES.md, v4): gemv faster at T*k <= 8 (Mixtral T=1, 4; DeepSeek/Qwen T=1), the 16-row tensor-core
- * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). */
-#ifndef GEMV_MAX_ASSIGNMENTS
+ * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). Re-timed after v8's
+ * faster gemv (NOTES.md, v12 E): the gemv up to T*k = 24 made DeepSeek T=4 0.84x, Qwen T=4 0.90x. */
 #define GEMV_MAX_ASSIGNMENTS 8
-#endif
 
 /* Direct mode with short rows (at most this many bytes of weights per warp and row: fine-grained experts,
  * 2.8-8 KB) launches about GEMV_LOOP_BLOCKS_PER_SM blocks per SM (what the registers of the 1- and
@@ -577,7 +577,6 @@ static cudaError_t project_combine(const colibri_moe_context_t *ctx, int64_t ass
     a.ids = direct_ids;
     a.num_ids = (int32_t)assignments;
     a.num_experts = ctx->cfg.num_experts;
-    a.early = 1;
     int64_t rows;
     if ((size_t)F * sizeof(TW) <= GEMV_SHORT_ROW_BYTES) {
         const int64_t blocks = (int64_t)GEMV_LOOP_BLOCKS_PER_SM * b->sm_count;
