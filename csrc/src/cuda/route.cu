@@ -131,7 +131,7 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
  * (rank = how many experts rank before it: 64 shuffles that do not wait on each other, where the
  * picks are k rounds of dependent reductions), and the experts of rank j < k are pick j. The same ids
  * in the same order as topk_token_picks, and the weights formed by the same operations in the same
- * order: the same bits. The forward of one token was 1.3-2 us faster with it (NOTES.md, v12). */
+ * order: the same bits. Measured (NOTES.md, v12 C): the forward of one token 1.3-2 us faster with it. */
 __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
@@ -191,9 +191,9 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 }
 
 /* One warp, one token: ids and weights of its top-k (topk_token_rank where E allows, else the picks).
- * Not inlined, and the rank loop not unrolled: less code for the route kernel's last block, which runs
- * it alone after every other block has finished; 1.3-4.5 us faster per decode forward than inlined
- * (NOTES.md, v12). */
+ * Not inlined, and the rank loop not unrolled: measured 1.3-4.5 us faster per decode forward than
+ * inlined (NOTES.md, v12 C). The route kernels' register allocation changes with it (the small-T
+ * kernel: 80 registers against 56 inlined), so which of its phases gained is not known. */
 static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
     else topk_token_picks(l, p, t, lane);
