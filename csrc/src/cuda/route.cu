@@ -124,21 +124,30 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
     for (int j = 0; j < k; j++) w_t[j] = w_t[j] / norm * p.scale;
 }
 
-/* The rank top-k serves E <= 64: a lane holds experts lane and lane + 32. */
+/* The warp top-k below serves E <= 64: a lane holds experts lane and lane + 32. */
 #define TOPK_RANK_MAX_E 64
 
-/* One warp, one token, E <= TOPK_RANK_MAX_E: each lane ranks its two experts against all E at once
- * (rank = how many experts rank before it: 64 shuffles that do not wait on each other, where the
- * picks are k rounds of dependent reductions), and the experts of rank j < k are pick j. The same ids
- * in the same order as topk_token_picks, and the weights formed by the same operations in the same
- * order: the same bits. Measured (NOTES.md, v12 C): the forward of one token 1.3-2 us faster with it. */
+/* A selection score as an unsigned key in the same order (scores are never NaN: selection_score made
+ * those -inf; -0 keyed as +0, which compares equal to it); 0 is below every score's key. */
+__device__ __forceinline__ unsigned topk_key(float s) {
+    const unsigned u = __float_as_uint(s == 0.0f ? 0.0f : s);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* One warp, one token, E <= TOPK_RANK_MAX_E: k rounds, each taking the warp's largest key with one
+ * redux.sync and the lowest id holding it with a ballot (ids lane < lane + 32, so the first half is
+ * asked first); the winner's key drops to 0. r0 / r1: the pick index of the lane's two experts, E if
+ * not picked. The same ids in the same order as topk_token_picks (ranks_before's order), and the
+ * weights formed by the same operations in the same order: the same bits. A loop of 32 shuffle rounds
+ * ranking every expert against all E (v12's) took 3500-3950 cycles of the forward's critical path
+ * (clock64 in the route kernel's last block, NOTES.md v13); these rounds are a few warp operations each. */
 __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
     const bool h0 = lane < E, h1 = lane + 32 < E;
     const float x0 = h0 ? __ldcg(l + lane) : 0.0f, x1 = h1 ? __ldcg(l + lane + 32) : 0.0f;
-    const float s0 = h0 ? selection_score(routing, x0, p.bias, lane) : -INFINITY;
-    const float s1 = h1 ? selection_score(routing, x1, p.bias, lane + 32) : -INFINITY;
+    unsigned q0 = h0 ? topk_key(selection_score(routing, x0, p.bias, lane)) : 0u;
+    unsigned q1 = h1 ? topk_key(selection_score(routing, x1, p.bias, lane + 32)) : 0u;
     float mx = -INFINITY;
     if (h0) mx = fmaxf(mx, x0);
     if (h1) mx = fmaxf(mx, x1);
@@ -151,16 +160,18 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
-    int r0 = 0, r1 = 0;
+    int r0 = E, r1 = E;
 #pragma unroll 1
-    for (int src = 0; src < 32; src++) {
-        const float a = __shfl_sync(0xffffffffu, s0, src), b = __shfl_sync(0xffffffffu, s1, src);
-        const bool ha = src < E, hb = src + 32 < E;
-        r0 += (ha && ranks_before(a, src, s0, lane)) + (hb && ranks_before(b, src + 32, s0, lane));
-        r1 += (ha && ranks_before(a, src, s1, lane + 32)) + (hb && ranks_before(b, src + 32, s1, lane + 32));
+    for (int j = 0; j < k; j++) {
+        const unsigned m = __reduce_max_sync(0xffffffffu, q0 > q1 ? q0 : q1);
+        const unsigned b0 = __ballot_sync(0xffffffffu, q0 == m);
+        if (b0) { /* warp-uniform */
+            if (lane == __ffs(b0) - 1) { r0 = j; q0 = 0u; }
+        } else {
+            const unsigned b1 = __ballot_sync(0xffffffffu, q1 == m);
+            if (lane == __ffs(b1) - 1) { r1 = j; q1 = 0u; }
+        }
     }
-    if (!h0) r0 = E; /* not an expert: never picked */
-    if (!h1) r1 = E;
     float w0 = topk_raw_weight(routing, x0, mx, sum), w1 = topk_raw_weight(routing, x1, mx, sum);
     /* pick j's value, from whichever lane holds rank j */
     auto pick = [&](int j, float v0, float v1) {
