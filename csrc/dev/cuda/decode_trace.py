@@ -10,7 +10,10 @@ zero-fill, which leaves L2 full of dirty lines that the forward's reads must wri
 --trace: builds made with csrc/dev/cuda/trace.patch and -DCOLIBRI_TRACE; for each kernel of the
 forward, the median over replays of its blocks' first/last entry, first/last dependency-wait release
 (for the early second gemv projection: its entry; it waits later) and first/last warp exit, in us from
-the first block's entry, plus the event time of the replay (which also holds the graph launch).
+the first block's entry, plus the event time of the replay (which also holds the graph launch), and
+(where the build has trace.patch's clock64 marks, colibri_trace_clk_route) the cycles of each phase of
+the route kernel's last block, whose top-k the patched kernel runs twice: "cold" is the forward's own,
+"warm" the same code again right after it.
 (The patch's sums of timestamps overflow; they are not read.)
 Shapes and weights are bench_gpu.py's (same seed).
 """
@@ -25,7 +28,8 @@ import torch
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), "bench"]
 import bench_gpu as bg  # noqa: E402
 
-KERNELS = ["route", "up", "down", "other-gemv", "combine"]
+# ids 5-7: trace.patch's marks in the route kernel (last block past its counter, top-k done, gemv done)
+KERNELS = ["route", "up", "down", "other-gemv", "combine/fold", "rt-last", "rt-topk", "rt-gemv"]
 FIELDS = ["start_min", "start_max", "wait_min", "wait_max", "end_min", "end_max", "start_sum", "end_sum", "blocks",
           "warps"]
 
@@ -128,14 +132,22 @@ def main():
             for label, lib in traces:
                 g = bg.capture(lib, ctxs[label], T, x, out)
                 take(lib)
-                rows, totals = [], []
+                rows, totals, clks = [], [], []
+                clk_fn = getattr(lib, "colibri_trace_clk_route", None)
+                clk_arr = (ctypes.c_uint64 * 32)()
                 for rep in range(args.reps + 3):
                     take(lib)
+                    if clk_fn:
+                        clk_fn(ctypes.byref(clk_arr))
                     t = timed(g, flush, "zero")
                     r = take(lib)
+                    if clk_fn:
+                        clk_fn(ctypes.byref(clk_arr))
                     if rep >= 3:
                         rows.append(r)
                         totals.append(t)
+                        if clk_fn:
+                            clks.append(list(clk_arr))
                 t0s = [min(d["start_min"] for d in r.values()) for r in rows]
                 print(f"{shape[0]:17s} T={T:<4d} {label:8s} trace, replay {statistics.median(totals):.1f} us "
                       "(event); per kernel, us from the first block's entry (median of replays):")
@@ -144,9 +156,22 @@ def main():
                     def med(f):
                         vals = [(r[kid][f] - t0) / 1e3 for r, t0 in zip(rows, t0s) if r.get(kid) and r[kid][f] is not None]
                         return statistics.median(vals) if vals else float("nan")
+                    if kid >= 5:  # marks inside the route kernel (trace.patch): one timestamp each
+                        print(f"    {KERNELS[kid]:10s} {rows[0][kid]['blocks']:6d} {med('start_min'):6.1f}-"
+                              f"{med('start_max'):<6.1f} (mark)", flush=True)
+                        continue
                     print(f"    {KERNELS[kid]:10s} {rows[0][kid]['blocks']:6d} {med('start_min'):6.1f}-{med('start_max'):<6.1f}"
                           f" {med('wait_min'):6.1f}-{med('wait_max'):<6.1f} {med('end_min'):6.1f}-{med('end_max'):<6.1f}",
                           flush=True)
+                if clks and clks[0][14]:
+                    names = ["logits+score", "softmax max/sum", "pick loop", "weights/norm", "stores", "return"]
+                    def dmed(i, j):
+                        return statistics.median(c[j] - c[i] for c in clks)
+                    for pass_, base in (("cold", 0), ("warm", 8)):
+                        marks = [0 if base == 0 else 6] + [base + i for i in range(1, 6)] + [6 if base == 0 else 14]
+                        print(f"    top-k pass {pass_} (cycles): " + ", ".join(
+                            f"{n} {dmed(marks[i], marks[i + 1]):.0f}" for i, n in enumerate(names)))
+                    print(f"    last block: both passes {dmed(0, 14):.0f} cycles")
                 del g
             del x, out
         for label, lib in libs + traces:

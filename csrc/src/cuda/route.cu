@@ -202,9 +202,9 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 }
 
 /* One warp, one token: ids and weights of its top-k (topk_token_rank where E allows, else the picks).
- * Not inlined, and the rank loop not unrolled: measured 1.3-4.5 us faster per decode forward than
- * inlined (NOTES.md, v12 C). The route kernels' register allocation changes with it (the small-T
- * kernel: 80 registers against 56 inlined), so which of its phases gained is not known. */
+ * Not inlined: with v12's rank loop that was measured 1.3-4.5 us faster per decode forward than inlined
+ * (NOTES.md, v12 C), and the route kernels' register allocation changes with it. Where its time goes at
+ * decode (clock64, NOTES.md v13): mostly the fetch of its instructions, which run once per forward. */
 static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
     else topk_token_picks(l, p, t, lane);
