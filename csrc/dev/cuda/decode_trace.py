@@ -135,19 +135,25 @@ def main():
                 rows, totals, clks = [], [], []
                 clk_fn = getattr(lib, "colibri_trace_clk_route", None)
                 clk_arr = (ctypes.c_uint64 * 32)()
+                up_fn = getattr(lib, "colibri_trace_clk_experts", None)
+                up_arr, ups = (ctypes.c_uint64 * 32)(), []
                 for rep in range(args.reps + 3):
                     take(lib)
-                    if clk_fn:
-                        clk_fn(ctypes.byref(clk_arr))
+                    for fn, arr in ((clk_fn, clk_arr), (up_fn, up_arr)):
+                        if fn:
+                            fn(ctypes.byref(arr))
                     t = timed(g, flush, "zero")
                     r = take(lib)
-                    if clk_fn:
-                        clk_fn(ctypes.byref(clk_arr))
+                    for fn, arr in ((clk_fn, clk_arr), (up_fn, up_arr)):
+                        if fn:
+                            fn(ctypes.byref(arr))
                     if rep >= 3:
                         rows.append(r)
                         totals.append(t)
                         if clk_fn:
                             clks.append(list(clk_arr))
+                        if up_fn:
+                            ups.append(list(up_arr))
                 t0s = [min(d["start_min"] for d in r.values()) for r in rows]
                 print(f"{shape[0]:17s} T={T:<4d} {label:8s} trace, replay {statistics.median(totals):.1f} us "
                       "(event); per kernel, us from the first block's entry (median of replays):")
@@ -172,6 +178,10 @@ def main():
                         print(f"    top-k pass {pass_} (cycles): " + ", ".join(
                             f"{n} {dmed(marks[i], marks[i + 1]):.0f}" for i, n in enumerate(names)))
                     print(f"    last block: both passes {dmed(0, 14):.0f} cycles")
+                if ups and ups[0][4]:  # direct mode's up projection, block (0, 0), thread 0
+                    um = lambda i, j: statistics.median(u[j] - u[i] for u in ups)  # noqa: E731
+                    print(f"    up block (0,0) after its wait (cycles): setup {um(0, 1):.0f}, the same setup again "
+                          f"{um(1, 2):.0f}, warp 0's first row {um(2, 3):.0f}, its other rows {um(3, 4):.0f}")
                 del g
             del x, out
         for label, lib in libs + traces:
