@@ -6,12 +6,14 @@ Every time is the median of many CUDA-event timings of one call, with L2 flushed
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30]
-                               [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16]
+                               [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
 
 Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
 times other builds of the library on the same inputs in the same run (old code against new), each
 loaded into its own ctypes handle with its own copy of the weights; the builds' replays are timed in
 turn, one of each per round, so that the GPU's clock drift over the run reaches them alike.
+At the end it prints each row against DESIGN.md's target (bench/gpu_report.py, which also redraws a
+saved run: `python3 bench/gpu_report.py bench/gpu.json --plot gpu.png`); --plot draws the run too.
 """
 import argparse
 import ctypes
@@ -21,6 +23,8 @@ import sys
 
 import torch
 import torch.nn.functional as Fn
+
+import gpu_report  # bench/, beside this script
 
 SHAPES = [  # name, E, k, H, F, renormalize
     ("Mixtral-8x7B", 8, 2, 4096, 14336, 1),
@@ -233,6 +237,7 @@ def main():
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,4,16")
+    ap.add_argument("--plot", default="", help="also draw the run into this PNG (needs matplotlib)")
     args = ap.parse_args()
     lib = load_lib(args.lib)
     others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
@@ -248,9 +253,14 @@ def main():
             bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows,
                         tokens=[int(t) for t in args.tokens.split(",") if t])
             torch.cuda.empty_cache()
+    run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate, reps=args.reps,
+               rows=rows)
     with open(args.json, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate,
-                       reps=args.reps, rows=rows), f, indent=1)
+        json.dump(run, f, indent=1)
+    print("\n".join(gpu_report.summary(run)[0]))
+    if args.plot:
+        gpu_report.plot(run, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
