@@ -38,10 +38,9 @@ def summary(run: dict) -> tuple[list[str], int, int]:
     lines = [f"{'shape':17s} {'T':>5s} {'colibri ms':>10s} {'frac':>5s} {'target':>6s}  met"]
     met = 0
     for r in run["rows"]:
-        goal = target(r["E"], r["T"])
-        ok = meets(r["fraction_of_floor"], goal)
+        goal, frac = target(r["E"], r["T"]), r["fraction_of_floor"]
+        ok = meets(frac, goal)
         met += ok
-        frac = r["fraction_of_floor"]
         verdict = "yes" if ok else "no" if math.isnan(frac) else f"no (short by {goal - round(frac, 2):.2f})"
         lines.append(f"{r['shape']:17s} {r['T']:5d} {r['colibri_ms']:10.4f} {frac:5.2f} {goal:6.2f}  {verdict}")
     lines.append(f"DESIGN.md's targets met on {met} of {len(run['rows'])} rows "

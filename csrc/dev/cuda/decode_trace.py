@@ -137,16 +137,17 @@ def main():
                 clk_arr = (ctypes.c_uint64 * 32)()
                 up_fn = getattr(lib, "colibri_trace_clk_experts", None)
                 up_arr, ups = (ctypes.c_uint64 * 32)(), []
+                def take_clocks():  # copies out and resets the builds' clock64 marks
+                    for fn, arr in ((clk_fn, clk_arr), (up_fn, up_arr)):
+                        if fn:
+                            fn(ctypes.byref(arr))
+
                 for rep in range(args.reps + 3):
                     take(lib)
-                    for fn, arr in ((clk_fn, clk_arr), (up_fn, up_arr)):
-                        if fn:
-                            fn(ctypes.byref(arr))
+                    take_clocks()
                     t = timed(g, flush, "zero")
                     r = take(lib)
-                    for fn, arr in ((clk_fn, clk_arr), (up_fn, up_arr)):
-                        if fn:
-                            fn(ctypes.byref(arr))
+                    take_clocks()
                     if rep >= 3:
                         rows.append(r)
                         totals.append(t)
@@ -169,17 +170,19 @@ def main():
                     print(f"    {KERNELS[kid]:10s} {rows[0][kid]['blocks']:6d} {med('start_min'):6.1f}-{med('start_max'):<6.1f}"
                           f" {med('wait_min'):6.1f}-{med('wait_max'):<6.1f} {med('end_min'):6.1f}-{med('end_max'):<6.1f}",
                           flush=True)
+                def cycles(samples, i, j):  # median of mark j - mark i over the replays
+                    return statistics.median(c[j] - c[i] for c in samples)
+
                 if clks and clks[0][14]:
                     names = ["logits+score", "softmax max/sum", "pick loop", "weights/norm", "stores", "return"]
-                    def dmed(i, j):
-                        return statistics.median(c[j] - c[i] for c in clks)
+                    dmed = lambda i, j: cycles(clks, i, j)  # noqa: E731
                     for pass_, base in (("cold", 0), ("warm", 8)):
                         marks = [0 if base == 0 else 6] + [base + i for i in range(1, 6)] + [6 if base == 0 else 14]
                         print(f"    top-k pass {pass_} (cycles): " + ", ".join(
                             f"{n} {dmed(marks[i], marks[i + 1]):.0f}" for i, n in enumerate(names)))
                     print(f"    last block: both passes {dmed(0, 14):.0f} cycles")
                 if ups and ups[0][4]:  # direct mode's up projection, block (0, 0), thread 0
-                    um = lambda i, j: statistics.median(u[j] - u[i] for u in ups)  # noqa: E731
+                    um = lambda i, j: cycles(ups, i, j)  # noqa: E731
                     print(f"    up block (0,0) after its wait (cycles): setup {um(0, 1):.0f}, the same setup again "
                           f"{um(1, 2):.0f}, warp 0's first row {um(2, 3):.0f}, its other rows {um(3, 4):.0f}")
                 del g
