@@ -569,7 +569,7 @@ int main(int argc, char **argv) {
                     run_case(deep, (colibri_expert_kind_t)kind, w, w, routings[r][0], routings[r][1], T, 0, rng);
                 }
     /* the streaming 128-row tiles (fewer assignments than a tile per expert: 100 each): the wgmma
-     * kernel 3 stages ahead with K cycling its ring (up K = 512; down K = 1088, ending inside a k step),
+     * kernel 3 stages ahead with K cycling its ring (up K = 512: 8 k steps of 64; down K = 1088: 17),
      * N ending inside a column block (GLU 1088 = 8.5 x 128), more items than SMs for the up projection
      * (the ring running on across items), experts' second tiles of at most 64 rows */
     const Shape stream = {16, 4, 512, 1088};
