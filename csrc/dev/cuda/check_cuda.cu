@@ -17,7 +17,8 @@
  * 3 stages ahead: compute-bound and streaming tiles); for routing, the
  * small-T kernel, the gemv, the gemv split along H (rows of 1000 and 4000 elements: 8 experts up to
  * T = 513, 60 experts below 256 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
- * split router GEMM (T >= 1024 with 60, 64 and 100 experts: one and two expert tiles), and the
+ * split router GEMM (T >= 1024 with 33, 60, 64 and 100 experts: one and two expert tiles; rows of up to
+ * 2048 elements, a router that bf16 holds exactly among them), and the
  * one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
  * Exit status 0 only if every check passed.
  */
@@ -103,6 +104,7 @@ static double limit_for(colibri_dtype_t w, colibri_dtype_t a) {
 
 struct Shape {
     int E, k, H, F;
+    bool router_bf16; /* router weights that bf16 holds exactly (a checkpoint's bf16 router, upcast) */
 };
 
 struct Layer {
@@ -136,7 +138,10 @@ static Layer make_layer(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt
         }
     }
     L.router.resize((size_t)s.E * s.H);
-    for (auto &r : L.router) r = (float)(u(rng) * 3.0 / sqrt((double)s.H));
+    for (auto &r : L.router) {
+        r = (float)(u(rng) * 3.0 / sqrt((double)s.H));
+        if (s.router_bf16) r = __bfloat162float(__float2bfloat16(r));
+    }
     L.bias.resize(s.E);
     for (auto &b : L.bias) b = (float)(u(rng) * 0.2);
     return L;
@@ -558,6 +563,20 @@ int main(int argc, char **argv) {
         for (int r = 1; r < 3; r++)
             run_case(many, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, r == 1 ? COLIBRI_DTYPE_F32 : COLIBRI_DTYPE_BF16,
                      routings[r][0], routings[r][1], 1024, 0, rng);
+    /* the router GEMM over rows long enough that each split's K cycles a ring of stages (H = 2048: 16
+     * slices of 32 per split at T = 4096; H = 1032, 32.25 slices: the last split ends inside one), with
+     * 64, 60 and (odd) 33 experts; bf16 and f16 tokens; the 2048-element rows of a router that bf16
+     * holds exactly */
+    const Shape router_long = {64, 6, 2048, 32, true}, router_odd = {60, 4, 1032, 16},
+                router_odd_e = {33, 4, 1032, 16};
+    for (colibri_dtype_t a : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16}) {
+        if (quick && a == COLIBRI_DTYPE_F16) continue;
+        run_case(router_odd, COLIBRI_EXPERT_SWIGLU, a, a, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 1024, 0, rng);
+        if (quick) continue;
+        run_case(router_odd, COLIBRI_EXPERT_SWIGLU, a, a, COLIBRI_ROUTING_SIGMOID_BIAS, 1, 4096, 0, rng);
+        run_case(router_odd_e, COLIBRI_EXPERT_SWIGLU, a, a, COLIBRI_ROUTING_TOPK_SOFTMAX, 0, 1024, 0, rng);
+        run_case(router_long, COLIBRI_EXPERT_SWIGLU, a, a, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 4096, 0, rng);
+    }
     /* 128-row tiles whose K cycles the 4-stage ring of the wgmma kernel (8 and 5 k tiles) and whose N
      * ends inside a block (320 = 2.5 x 128 for the gate/up, 256 + 64 for linear) */
     const Shape deep = {4, 2, 512, 320};
