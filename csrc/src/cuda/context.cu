@@ -48,6 +48,8 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     const size_t positions = tokens * k;
     b->router = ctx->router_weight ? c.take<float>(E * H) : NULL;
     b->router_bias = ctx->router_bias ? c.take<float>(E) : NULL;
+    const size_t split = colibri_cuda_route_split_elems(ctx, tokens);
+    b->router_split = split ? c.take<__nv_bfloat16>(split) : NULL;
     b->logits = c.take<float>(tokens * E);
     b->logits_part = c.take<float>(ctx->router_weight ? colibri_cuda_route_part_floats(ctx, b->sm_count, (int64_t)tokens) : 0);
     b->ids = c.take<int32_t>(positions);
@@ -120,6 +122,8 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
     colibri_status_t st = colibri_cuda_permute_setup(b, cfg->num_experts);
     if (st != COLIBRI_OK) return st;
     st = colibri_cuda_experts_setup(b);
+    if (st != COLIBRI_OK) return st;
+    st = colibri_cuda_route_setup(ctx, b);
     if (st != COLIBRI_OK) return st;
     COLIBRI_CUDA_CHECK(cudaDeviceSynchronize());
     ctx->cfg.workspace_tokens = (int32_t)tokens;

@@ -43,6 +43,9 @@ struct CudaBackend {
     char *d_workspace;          /* one allocation; the pointers below point into it */
     float *router;              /* [E, H] fp32, or NULL */
     float *router_bias;         /* [E] fp32, or NULL */
+    __nv_bfloat16 *router_split; /* [3, E, H] the router as hi + mid + lo bf16 parts (route.cu), or NULL; carved
+                                  * wherever the router GEMM may run (6 bytes per router weight) */
+    int router_parts;           /* 1 where every mid and lo is 0 (a bf16 router upcast), else 3 */
     float *logits;              /* [Tw, E] fp32 */
     float *logits_part;         /* [splits - 1, T, E] split-K partial logits of the router GEMM (route.cu) */
     int32_t *ids;               /* [Tw, k] routing computed here */
@@ -202,6 +205,10 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
                                            colibri_dtype_t act_dtype, const void *input, int32_t *topk_ids,
                                            float *topk_weights, int32_t permute_tile_m, bool *permuted,
                                            cudaStream_t stream);
+/* Elements of router_split a workspace of `tokens` tokens carves (0: the tensor-core router GEMM never
+ * runs), and its setup at init (after the router's copy). */
+size_t colibri_cuda_route_split_elems(const colibri_moe_context_t *ctx, size_t tokens);
+colibri_status_t colibri_cuda_route_setup(const colibri_moe_context_t *ctx, CudaBackend *b);
 /* Floats of logits_part that forwards of up to `tokens` tokens need (sm_count: the device's). */
 size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_count, int64_t tokens);
 /* permute.cu */

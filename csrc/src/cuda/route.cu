@@ -4,8 +4,9 @@
  * Up to 8 tokens (decode): one kernel, a block per router row whose 256 threads split H so the whole
  * row is in flight at once, and the last block to finish (a counter in the workspace) picks the top-k
  * of every token and, inside a forward, groups the assignments by expert (permute.cuh) too.
- * From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled fp32 SIMT GEMM (route_gemm_kernel),
- * split along H when the tiles alone would not fill the GPU.
+ * From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled GEMM split along H when the tiles
+ * alone would not fill the GPU, on tensor cores for bf16 tokens (route_mma_kernel: the fp32 router as
+ * three bf16 parts), else fp32 SIMT (route_gemm_kernel).
  * In between, at every T above 8 with fewer experts (Mixtral's 8), and for rows that do not allow
  * 4-element loads: the memory-bound gemv of gemv.cuh (a block per 8 tokens and 8 experts; the router
  * is small and re-read from L2 for each group of 8 tokens), split along H too where its grid is short
@@ -17,6 +18,7 @@
 #include <math.h>
 
 #include "gemv.cuh"
+#include "mma.cuh"
 #include "permute.cuh"
 
 /* Selection order: higher score first, ties to the lower id. NaN scores rank last, like -inf. */
@@ -444,6 +446,183 @@ size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_c
     return most;
 }
 
+/* Router logits on tensor cores, for bf16 tokens (the same BT x BE tiles, plan and splits as
+ * route_gemm_kernel, which it replaces there). The fp32 router r is kept at init also as three bf16
+ * parts, r = hi + mid + lo (route_split_kernel: each part the rounding of what the ones before it
+ * left; exact for every finite normal weight of bf16's range), and every logit is x.hi + (x.mid + x.lo),
+ * each product of bf16 by bf16 exact in fp32, accumulated by mma.sync m16n8k16 in fp32 in two sets (hi,
+ * and the small parts), added at the end: three products per MAC at the tensor rate instead of one fp32
+ * FMA. A router that is bf16 upcast (mid and lo all 0, found at init) takes one part: PARTS = 1. The
+ * tensor cores' fp32 sums round otherwise than an FMA chain does, so a near tie may pick another id than
+ * route_gemm_kernel would; like it, bitwise repeatable (fixed order everywhere). The SIMT kernel ran at a
+ * third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048; NOTES.md v6). 128 threads: 2 x 2 warps of
+ * 32 tokens x 32 experts, x and the router parts staged by cp.async in RMMA_STAGES stages of RMMA_BK
+ * elements, swizzled as mma_kernel's (the same fragments). */
+#define RMMA_BK 32
+#define RMMA_STAGES 4
+#define RMMA_THREADS 128
+#define RMMA_A_BYTES (64 * RMMA_BK * 2)
+#define RMMA_B_BYTES (64 * RMMA_BK * 2)
+static_assert(ROUTE_BK % 8 == 0, "every split's K range starts and ends on a 16-byte chunk of bf16");
+template <int PARTS> constexpr uint32_t rmma_stage_bytes() { return RMMA_A_BYTES + PARTS * RMMA_B_BYTES; }
+template <int PARTS> constexpr size_t rmma_smem_bytes() { return RMMA_STAGES * rmma_stage_bytes<PARTS>(); }
+
+template <int PARTS>
+__global__ void __launch_bounds__(RMMA_THREADS, ROUTE_GEMM_BLOCKS_PER_SM)
+    route_mma_kernel(const __nv_bfloat16 *split, const __nv_bfloat16 *x, int T, int E, int H, int kchunk,
+                     float *logits, float *part) {
+    constexpr int BT = 64, BE = 64, BK = RMMA_BK, CPR = BK / 8; /* 16-byte chunks per row */
+    constexpr int PER_T = BT * CPR / RMMA_THREADS;               /* chunks per thread, of x and of each part */
+    constexpr int WTM = 32, WTN = 32, MI = WTM / 16, NI = WTN / 8;
+    static_assert(BT == BE && PER_T * RMMA_THREADS == BT * CPR, "x and router tiles of the same rows");
+    pdl_begin();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 1, wn = warp & 1;
+    const int t0 = blockIdx.x * BT, e0 = blockIdx.y * BE;
+    const int kbeg = blockIdx.z * kchunk, kend = min(H, kbeg + kchunk);
+    const int ktiles = (kend - kbeg + BK - 1) / BK;
+    extern __shared__ __align__(128) char smem[];
+    const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(smem);
+
+    /* thread tid copies chunk idx % CPR of rows idx / CPR, idx = tid + i RMMA_THREADS, of x and of the
+     * three parts; rows past T or E read 0 */
+    const __nv_bfloat16 *a_src[PER_T], *b_src[PER_T];
+    bool a_ok[PER_T], b_ok[PER_T];
+#pragma unroll
+    for (int i = 0; i < PER_T; i++) {
+        const int idx = tid + i * RMMA_THREADS, r = idx / CPR, c = idx % CPR;
+        a_ok[i] = t0 + r < T;
+        b_ok[i] = e0 + r < E;
+        a_src[i] = x + (size_t)(a_ok[i] ? t0 + r : 0) * H + c * 8;
+        b_src[i] = split + (size_t)(b_ok[i] ? e0 + r : 0) * H + c * 8;
+    }
+    const size_t part_stride = (size_t)E * H;
+    auto load = [&](int kt) {
+        const uint32_t st = sbase + (uint32_t)(kt % RMMA_STAGES) * rmma_stage_bytes<PARTS>();
+        const int k0 = kbeg + kt * BK;
+#pragma unroll
+        for (int i = 0; i < PER_T; i++) {
+            const int idx = tid + i * RMMA_THREADS, r = idx / CPR, c = idx % CPR;
+            const bool k_ok = k0 + c * 8 < kend; /* kend is a multiple of 8: a chunk is all in or all out */
+            const bool ao = a_ok[i] && k_ok, bo = b_ok[i] && k_ok;
+            cp_async16(st + swz<BK>(r, c), ao ? (const void *)(a_src[i] + k0) : (const void *)x, ao);
+#pragma unroll
+            for (int m = 0; m < PARTS; m++)
+                cp_async16(st + RMMA_A_BYTES + m * RMMA_B_BYTES + swz<BK>(r, c),
+                           bo ? (const void *)(b_src[i] + m * part_stride + k0) : (const void *)split, bo);
+        }
+    };
+
+    constexpr int SETS = PARTS > 1 ? 2 : 1;
+    float acc[SETS][MI][NI][4]; /* [0]: x.hi, [1]: x.mid + x.lo */
+#pragma unroll
+    for (int s = 0; s < SETS; s++)
+#pragma unroll
+        for (int i = 0; i < MI; i++)
+#pragma unroll
+            for (int j = 0; j < NI; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) acc[s][i][j][q] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < RMMA_STAGES - 1; s++) {
+        if (s < ktiles) load(s);
+        cp_async_commit();
+    }
+    for (int kt = 0; kt < ktiles; kt++) {
+        cp_async_wait<RMMA_STAGES - 2>();
+        __syncthreads(); /* stage kt landed for all; the slot refilled below was last read before this */
+        if (kt + RMMA_STAGES - 1 < ktiles) load(kt + RMMA_STAGES - 1);
+        cp_async_commit();
+        const uint32_t st = sbase + (uint32_t)(kt % RMMA_STAGES) * rmma_stage_bytes<PARTS>();
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ks++) {
+            uint32_t af[MI][4];
+#pragma unroll
+            for (int i = 0; i < MI; i++)
+                ldmatrix_x4(st + swz<BK>(wm * WTM + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
+#pragma unroll
+            for (int m = 0; m < PARTS; m++) {
+#pragma unroll
+                for (int jp = 0; jp < NI / 2; jp++) {
+                    uint32_t bf[4];
+                    const int r = wn * WTN + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
+                    ldmatrix_x4(st + RMMA_A_BYTES + m * RMMA_B_BYTES + swz<BK>(r, ks * 2 + ((lane >> 3) & 1)), bf);
+#pragma unroll
+                    for (int i = 0; i < MI; i++) {
+                        mma16816<__nv_bfloat16>(acc[m > 0][i][2 * jp], af[i], bf[0], bf[1]);
+                        mma16816<__nv_bfloat16>(acc[m > 0][i][2 * jp + 1], af[i], bf[2], bf[3]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    /* accumulator layout of m16n8: rows lane / 4 (+8), columns 2 (lane % 4) (+1) */
+    float *out = blockIdx.z == 0 ? logits : part + (size_t)(blockIdx.z - 1) * T * E;
+#pragma unroll
+    for (int i = 0; i < MI; i++)
+#pragma unroll
+        for (int j = 0; j < NI; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int t = t0 + wm * WTM + i * 16 + (lane >> 2) + h * 8;
+                const int e = e0 + wn * WTN + j * 8 + (lane & 3) * 2;
+                if (t >= T) continue;
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    float v = acc[0][i][j][2 * h + q];
+                    if constexpr (SETS > 1) v += acc[SETS - 1][i][j][2 * h + q];
+                    if (e + q < E) out[(size_t)t * E + e + q] = v;
+                }
+            }
+}
+
+/* hi, mid and lo ([3, n]) of n fp32 router weights: each part the bf16 rounding of what the parts before
+ * it left (the differences are exact in fp32). A weight that is not finite or beyond bf16's range keeps
+ * only hi (infinite or NaN), mid = lo = 0. *small is set where any mid or lo is not 0. */
+__global__ void route_split_kernel(const float *r, size_t n, __nv_bfloat16 *out, int *small) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float v = r[i];
+        const __nv_bfloat16 hi = __float2bfloat16(v);
+        float rest = v - __bfloat162float(hi);
+        if (!isfinite(rest)) rest = 0.0f;
+        const __nv_bfloat16 mid = __float2bfloat16(rest);
+        const __nv_bfloat16 lo = __float2bfloat16(rest - __bfloat162float(mid));
+        out[i] = hi;
+        out[n + i] = mid;
+        out[2 * n + i] = lo;
+        if (__bfloat162float(mid) != 0.0f || __bfloat162float(lo) != 0.0f) *small = 1;
+    }
+}
+
+size_t colibri_cuda_route_split_elems(const colibri_moe_context_t *ctx, size_t tokens) {
+    const colibri_moe_config_t *c = &ctx->cfg;
+    if (!ctx->router_weight || tokens < ROUTE_GEMM_MIN_T || c->num_experts < ROUTE_GEMM_MIN_E || c->hidden_size % 8)
+        return 0;
+    return 3 * (size_t)c->num_experts * (size_t)c->hidden_size;
+}
+
+colibri_status_t colibri_cuda_route_setup(const colibri_moe_context_t *ctx, CudaBackend *b) {
+    if (!b->router_split) return COLIBRI_OK;
+    const size_t n = (size_t)ctx->cfg.num_experts * (size_t)ctx->cfg.hidden_size;
+    int *d_small = NULL, small = 0;
+    COLIBRI_CUDA_CHECK(cudaMalloc(&d_small, sizeof(int)));
+    cudaError_t e = cudaMemset(d_small, 0, sizeof(int));
+    if (e == cudaSuccess) {
+        const size_t blocks = (n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024;
+        route_split_kernel<<<(unsigned)blocks, 256>>>(b->router, n, b->router_split, d_small);
+        e = cudaGetLastError();
+    }
+    if (e == cudaSuccess) e = cudaMemcpy(&small, d_small, sizeof(int), cudaMemcpyDeviceToHost);
+    cudaFree(d_small);
+    COLIBRI_CUDA_CHECK(e);
+    b->router_parts = small ? 3 : 1;
+    COLIBRI_CUDA_CHECK(
+        cudaFuncSetAttribute(route_mma_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, rmma_smem_bytes<1>()));
+    COLIBRI_CUDA_CHECK(
+        cudaFuncSetAttribute(route_mma_kernel<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, rmma_smem_bytes<3>()));
+    return COLIBRI_OK;
+}
+
 static bool route_gemm_fits(const colibri_moe_context_t *ctx, int64_t T, const void *input) {
     return T >= ROUTE_GEMM_MIN_T && ctx->cfg.num_experts >= ROUTE_GEMM_MIN_E && ctx->cfg.hidden_size % 4 == 0 &&
            colibri_aligned16(input);
@@ -456,6 +635,15 @@ static int launch_route_gemm(const colibri_moe_context_t *ctx, int64_t T, colibr
     const int E = ctx->cfg.num_experts, H = ctx->cfg.hidden_size;
     const RouteGemmPlan g = route_gemm_plan(b->sm_count, T, E, H);
     const dim3 grid((unsigned)((T + g.bt - 1) / g.bt), (unsigned)((E + g.be - 1) / g.be), (unsigned)g.splits);
+    if (act_dtype == COLIBRI_DTYPE_BF16 && b->router_split && H % 8 == 0 && g.bt == 64 && g.be == 64) {
+        const __nv_bfloat16 *split = b->router_split, *x = (const __nv_bfloat16 *)input;
+        *err = b->router_parts == 1
+                   ? colibri_launch(route_mma_kernel<1>, grid, dim3(RMMA_THREADS), rmma_smem_bytes<1>(), stream, split,
+                                    x, (int)T, E, H, g.kchunk, b->logits, b->logits_part)
+                   : colibri_launch(route_mma_kernel<3>, grid, dim3(RMMA_THREADS), rmma_smem_bytes<3>(), stream, split,
+                                    x, (int)T, E, H, g.kchunk, b->logits, b->logits_part);
+        return g.splits;
+    }
     colibri_dispatch_dtype(act_dtype, [&](auto tx) {
         using TX = typename decltype(tx)::type;
         *err = colibri_launch(route_gemm_kernel<TX, 64, 64, 4>, grid, dim3(ROUTE_GEMM_THREADS), 0, stream,
