@@ -43,9 +43,10 @@ def test_summary_counts_the_printed_fraction():
     assert "targets met on 2 of 4 rows" in lines[-1] and "4.00 TB/s" in lines[-1]
 
 
-@pytest.mark.parametrize("name, met", [("gpu_h200_v12.json", 12), ("gpu_h200_v14.json", 13)])
+@pytest.mark.parametrize("name, met", [("gpu_h200_v12.json", 12), ("gpu_h200_v14.json", 13),
+                                       ("gpu_h200_v15.json", 13)])
 def test_committed_run_matches_bench_readme(name, met):
-    # bench/README.md: "Met: 12 of 21" (v12), "Met: 13 of 21" (v14) for these runs
+    # bench/README.md: "Met: 12 of 21" (v12), "Met: 13 of 21" (v14, v15) for these runs
     run = json.loads((ROOT / "bench" / name).read_text())
     assert gpu_report.summary(run)[1:] == (met, 21)
     assert f"Met: {met} of 21" in (ROOT / "bench" / "README.md").read_text()

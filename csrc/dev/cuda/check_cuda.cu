@@ -3,6 +3,7 @@
  *   make lib && nvcc -O2 -std=c++17 -Icsrc/include -Xcompiler -fopenmp -o build/check_cuda \
  *        csrc/dev/cuda/check_cuda.cu build/libcolibri.a -lgomp && build/check_cuda [--quick]
  *   (COLIBRI_CHECK_ONLY=text runs only the cases whose name contains it)
+ *   (COLIBRI_CUDA_NO_WS=1, read by the library: the 128-row tiles on wgmma_kernel, not wgmma_ws_kernel)
  *
  * For every routing (given ids, softmax->top-k with and without renormalisation, top-k->softmax,
  * sigmoid+bias with a scaling factor, a custom routing_fn) x expert kind x weight dtype x activation
@@ -453,6 +454,12 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     CUDA_OK(cudaMalloc(&out, obytes));
     cudaStream_t st;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    std::vector<int> rids((size_t)T * s.k);
+    std::vector<float> rwts((size_t)T * s.k);
+    int32_t *d_rids;
+    float *d_rwts;
+    CUDA_OK(cudaMalloc(&d_rids, rids.size() * 4));
+    CUDA_OK(cudaMalloc(&d_rwts, rwts.size() * 4));
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -475,7 +482,19 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
         char what[200];
         snprintf(what, sizeof what, "%s: replay %d bitwise equal to eager and finite", name, rep);
         expect(memcmp(a.data(), b.data(), obytes) == 0 && all_finite(a.data(), adt, (size_t)T * s.H), what);
+        /* and right: each replay's fresh inputs against the float64 forward of their routing (state kept
+         * in the context between forwards, such as wgmma_ws_kernel's item counters, must not leak) */
+        CUDA_OK(cudaMemset(d_rids, 0xff, rids.size() * 4));
+        COL_OK(colibri_moe_route(ctx, T, adt, in, d_rids, d_rwts, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        CUDA_OK(cudaMemcpy(rids.data(), d_rids, rids.size() * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(rwts.data(), d_rwts, rwts.size() * 4, cudaMemcpyDeviceToHost));
+        const double rerr = normalised_error(a.data(), adt, ref_forward(L, x, T, rids, rwts));
+        snprintf(what, sizeof what, "%s: replay %d error %.3g <= limit %.3g", name, rep, rerr, limit_for(wdt, adt));
+        expect(rerr <= limit_for(wdt, adt), what);
     }
+    cudaFree(d_rids);
+    cudaFree(d_rwts);
     CUDA_OK(cudaGraphExecDestroy(exec));
     CUDA_OK(cudaGraphDestroy(graph));
 

@@ -61,6 +61,7 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->num_tiles = c.take<int32_t>(1);
     b->totals = c.take<unsigned long long>(E);
     b->bad_id = c.take<int32_t>(1);
+    b->ws_sched = c.take<unsigned>(4);
     b->route_done = c.take<unsigned>(1);
     b->permute_hist = c.take<int32_t>(colibri_cuda_permute_chunks((int64_t)positions, cfg->num_experts) * E);
     b->permute_counts = c.take<int32_t>(E);
@@ -116,6 +117,7 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->router_bias, ctx->router_bias, E * sizeof(float), cudaMemcpyHostToDevice));
     COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, E * sizeof(unsigned long long)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->ws_sched, 0, 4 * sizeof(unsigned)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->route_done, 0, sizeof(unsigned)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->permute_counts, 0, E * sizeof(int32_t)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->permute_done, 0, sizeof(unsigned)));

@@ -57,6 +57,7 @@ struct CudaBackend {
     int32_t *num_tiles;         /* [1] */
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
+    unsigned *ws_sched;         /* [4] wgmma_ws_kernel's item counters: 0-1 the first projection's, 2-3 the second's */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
@@ -69,6 +70,7 @@ struct CudaBackend {
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
+    void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
     bool l2_prefetch;           /* compute capability 9.x: the first wave's weights are prefetched during routing */

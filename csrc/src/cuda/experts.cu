@@ -20,6 +20,8 @@
  * sums the top-k into the output itself (gemv_combine_kernel: at most 8 assignments).
  */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -357,6 +359,19 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, false>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, true>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, false>()));
+#if COLIBRI_TMA
+        /* the warp-specialised kernel where the driver encodes tensor maps, else wgmma_kernel (also with
+         * COLIBRI_CUDA_NO_WS=1: how the harness checks wgmma_kernel on an H100/H200) */
+        const char *no_ws = getenv("COLIBRI_CUDA_NO_WS");
+        b->tma_encode = no_ws && no_ws[0] && strcmp(no_ws, "0") != 0 ? NULL : ws_encode_fn();
+        if (b->tma_encode && (wgmma_ws_setup_one<__nv_bfloat16, true>() != cudaSuccess ||
+                              wgmma_ws_setup_one<__nv_bfloat16, false>() != cudaSuccess ||
+                              wgmma_ws_setup_one<__half, true>() != cudaSuccess ||
+                              wgmma_ws_setup_one<__half, false>() != cudaSuccess)) {
+            (void)cudaGetLastError();
+            b->tma_encode = NULL;
+        }
+#endif
     }
     for (int lk = 0; lk < 2; lk++) {
         b->mma16_blocks_per_sm[0][0][lk] = mma16_blocks_per_sm<false, MMA_BN>(w, lk && l);
@@ -487,6 +502,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     a.out = out;
     a.tiles = b->tiles;
     a.num_tiles = b->num_tiles;
+    a.sched = b->ws_sched + (row_map ? 0 : 2);
     if (direct_ids) {
         /* positions are assignment indices: x row t = position / k for the first projection, which reads
          * the tokens (row_map given), the position itself for the second, which reads inter */
@@ -510,6 +526,13 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
     }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
+#if COLIBRI_TMA
+        /* GLU: the map takes the up matrix as the gate matrix's next n rows */
+        CUtensorMap map;
+        if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
+            ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map))
+            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, stream);
+#endif
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, wg_streaming(&ctx->cfg, assignments), stream);
         a.early = !bookkeeping; /* the second projection issues its first weights before its wait */

@@ -60,6 +60,7 @@ struct ProjArgs {
     unsigned long long *totals; /* first projection of direct mode: per-expert counters, else NULL */
     int32_t *bad_id;            /* likewise: set when an id is out of range */
     int32_t early;              /* second projection (direct mode, tensor cores): weights loaded before the wait */
+    unsigned *sched;            /* wgmma_ws_kernel: its two counters (items asked for, blocks done), 0 between launches */
 };
 
 /* Direct mode: finds the blockIdx.x-th distinct valid expert of ids[0, n) in ascending id order, and

@@ -28,7 +28,24 @@
  * per lane), so that no thread waits on scattered 4-byte global stores; a linear item's second 128
  * columns, which do not fit there, go through a ring slot that is free until the next item's first k
  * step, with coalesced 16-byte stores. NOTES.md, v7.
+ *
+ * Where the driver encodes tensor maps (CUDA 12), the tiles run on wgmma_ws_kernel below instead: the
+ * same products and epilogue, the loads issued by a producer warpgroup of their own, and items handed
+ * to the blocks in the order they ask for them (NOTES.md v14 A, v15). wgmma_kernel remains for CUDA
+ * 11.8 builds and drivers without the map encoder (and COLIBRI_CUDA_NO_WS=1, which the harness uses).
  */
+
+/* wgmma_ws_kernel (below) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
+ * build no sm_90a image anyway) it is left out. COLIBRI_WGMMA_WS=0 leaves it out too. */
+#ifndef COLIBRI_WGMMA_WS
+#define COLIBRI_WGMMA_WS 1
+#endif
+#if CUDART_VERSION >= 12000 && COLIBRI_WGMMA_WS
+#include <cuda.h>
+#define COLIBRI_TMA 1
+#else
+#define COLIBRI_TMA 0
+#endif
 
 #define WG_BM 128
 #define WG_BN 256 /* weight rows per block */
@@ -121,6 +138,57 @@ __device__ __forceinline__ float wg_silu(float g) {
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
     return fmaf(h, t, h);
+}
+
+/* The output step's pieces, shared by wgmma_kernel and wgmma_ws_kernel. Accumulator layout of
+ * m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1)
+ * in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8): the fragments of stmatrix. SWIGLU's up column for
+ * gate column j is 128 columns, 64 registers, further on. wg_stage_half writes this warp's 16 rows x
+ * output columns [128 half, + 128) (SWIGLU: silu(gate) * up) to `buf`, rows WG_OUT_ROW_BYTES apart. */
+template <class T, bool GLU>
+__device__ __forceinline__ void wg_stage_half(const float (&acc)[128], uint32_t buf, int half) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int lane = threadIdx.x & 31;
+    /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
+    const uint32_t lane_off = ((lane & 7) + (lane & 8)) * WG_OUT_ROW_BYTES + (lane >> 4) * 16;
+#pragma unroll
+    for (int jj = 0; jj < WG_OUT_COLS / 16; jj++) {
+        uint32_t r[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int i = 4 * (half * WG_OUT_COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
+            float v0 = acc[i], v1 = acc[i + 1];
+            if constexpr (GLU) {
+                v0 = wg_silu(v0) * acc[64 + i];
+                v1 = wg_silu(v1) * acc[64 + i + 1];
+            }
+            r[q] = pack2<T>(v0, v1);
+        }
+        wg_stmatrix_x4(buf + lane_off + jj * 32, r[0], r[1], r[2], r[3]);
+    }
+#endif
+}
+
+/* Stores this warp's 16 rows (positions prow + r below tile_end) x output columns [col, + 128) (col < n;
+ * fewer where n ends first) of an [*, n] output through its staging buffer `buf`: once the bulk copies
+ * of the buffer's previous use have read it, the rows are staged and handed to the bulk-copy engine, a
+ * row per lane, and the warp goes on while they are written. */
+template <class T, bool GLU>
+__device__ __forceinline__ void wg_store_half(const float (&acc)[128], uint32_t buf, int half, T *out, int n, int col,
+                                              int prow, int tile_end) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const int lane = threadIdx.x & 31;
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    __syncwarp();
+    wg_stage_half<T, GLU>(acc, buf, half);
+    /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane < 16 && prow + lane < tile_end)
+        wg_bulk_store(out + (size_t)(prow + lane) * n + col, buf + lane * WG_OUT_ROW_BYTES,
+                      (uint32_t)min(WG_OUT_COLS, n - col) * 2);
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
 }
 
 /* Work item `it` of a projection with `tiles` tiles and `nblocks` column blocks: items run in groups of
@@ -264,46 +332,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         else k_loop(std::false_type{});
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 
-        /* accumulator layout of m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4
-         * (+8) and columns 8j + 2(l%4) (+1) in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8): the
-         * fragments of stmatrix. SWIGLU's up column for gate column j is 128 columns, 64 registers, further
-         * on. Each warp writes its 16 rows x 128 columns to its part of the staging buffer and the bulk-copy
-         * engine stores them, a row per lane, while the threads go on to the next item's products; the
-         * second 128 columns of a linear item (no room for them there) go through a ring slot that is free
-         * until the next item's first k steps, with 16-byte stores. */
+        /* Each warp writes its 16 rows x 128 columns to its part of the staging buffer and the bulk-copy
+         * engine stores them while the threads go on to the next item's products; the second 128 columns
+         * of a linear item (no room for them there) go through a ring slot that is free until the next
+         * item's first k steps, with 16-byte stores. */
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
-        /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
-        const uint32_t lane_off = ((lane & 7) + (lane & 8)) * WG_OUT_ROW_BYTES + (lane >> 4) * 16;
-        auto stage_half = [&](uint32_t buf, int half) {
-#pragma unroll
-            for (int jj = 0; jj < WG_OUT_COLS / 16; jj++) {
-                uint32_t r[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const int i = 4 * (half * WG_OUT_COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
-                    float v0 = acc[i], v1 = acc[i + 1];
-                    if constexpr (GLU) {
-                        v0 = wg_silu(v0) * acc[64 + i];
-                        v1 = wg_silu(v1) * acc[64 + i + 1];
-                    }
-                    r[q] = pack2<T>(v0, v1);
-                }
-                wg_stmatrix_x4(buf + lane_off + jj * 32, r[0], r[1], r[2], r[3]);
-            }
-        };
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
-        /* the previous item's bulk copies have read the buffer (long done: an item ago) */
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        __syncwarp();
-        stage_half(out_buf, 0);
-        /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncwarp();
         const int col0 = nb * COLS;
-        if (lane < 16 && prow + lane < tile.end)
-            wg_bulk_store(out + (size_t)(prow + lane) * a.n + col0, out_buf + lane * WG_OUT_ROW_BYTES,
-                          (uint32_t)min(WG_OUT_COLS, a.n - col0) * 2);
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        /* the previous item's bulk copies have read the buffer (long done: an item ago) */
+        wg_store_half<T, GLU>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
         if constexpr (!GLU) {
             /* the ring slot the loader fills next (the last but one the products read; the last with
              * AHEAD 3): free once both warpgroups are past their wait_group 0 (this barrier) until the
@@ -311,7 +348,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
             __syncthreads();
             const uint32_t spare = sbase + (uint32_t)((stage + AHEAD) % WG_STAGES) * WG_STAGE_BYTES +
                                    (tid >> 5) * WG_OUT_WARP_BYTES;
-            stage_half(spare, 1);
+            wg_stage_half<T, GLU>(acc, spare, 1);
             __syncwarp();
             const int c16 = lane & 15, col = col0 + WG_OUT_COLS + c16 * 8;
 #pragma unroll
@@ -333,6 +370,278 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
     cp_async_wait<0>();
 #endif
 }
+
+#if COLIBRI_TMA
+/* ---- Warp-specialised: a producer warpgroup loads, two consumer warpgroups multiply ----
+ *
+ * wgmma_kernel's 256 threads both load and multiply, and every k step ends in a block barrier before its
+ * slot may be refilled: the products wait on the barrier and the loads on the products (NOTES.md v9: the
+ * cp.async issue and the barrier, not the bytes, kept its compute-bound tiles at 0.6-0.75 of the matmul
+ * rate). Here a third warpgroup (threads 256-383) issues every load and the consumers (threads 0-255,
+ * wgmma_kernel's layout and epilogue) only wait for their stage's data:
+ *  - B, the stage's 256 weight rows x 64 k, comes by the tensor memory accelerator in two boxes of 128
+ *    rows from a 3-d tensor map (k, row, expert) of the projection's weights, 128-byte swizzled (the
+ *    ring's layout; rows and k past the matrix read 0). SWIGLU's map is [2F, H] per expert (the gate
+ *    matrix, then the up matrix right after it), so the up box starts F rows on.
+ *  - A, the tile's 128 token rows, is gathered through perm with cp.async by the 128 producer threads
+ *    (8 rows of 16 bytes each per stage).
+ *  - Slot s's "full" mbarrier completes when the 128 threads' cp.async have landed
+ *    (cp.async.mbarrier.arrive.noinc) and producer thread 0's expected 32 KB of TMA bytes have arrived;
+ *    its "empty" mbarrier when each of the 8 consumer warps has arrived once, after the products that
+ *    read the slot are complete (wgmma.wait_group). The producer refills a slot after its empty phase.
+ * So the loads run up to 3 stages ahead of the products whatever the tiles (wgmma_kernel: 2, or 3
+ * with a drain at every stage), and through the epilogue. The producer gives its registers to the
+ * consumers (setmaxnreg: 56 and 224 of the 168 per thread 384 threads start with; 128 x 56 + 256 x 224 is
+ * the block's 384 x 168).
+ * A linear item's second 128 columns go through the same staging buffer as its first, once the bulk
+ * copies have read it (no ring slot is free at a known time here). No block-wide barrier after the
+ * start: the producer returns when its loads are issued. */
+#define WS_THREADS (WG_THREADS + 128)
+#define WS_PRODUCER_REGS 56
+#define WS_CONSUMER_REGS 224
+
+/* The ring's mbarriers live in the 16 padding bytes at the end of staging-buffer rows, which neither
+ * stmatrix nor the bulk copies touch (the ring and the staging buffer take all 227 KB): slot s's "full"
+ * barrier in row s, its "empty" one 8 bytes on. */
+__device__ __forceinline__ uint32_t ws_full_bar(uint32_t sbase, int slot) {
+    return sbase + WG_STAGES * WG_STAGE_BYTES + slot * WG_OUT_ROW_BYTES + WG_OUT_COLS * 2;
+}
+__device__ __forceinline__ uint32_t ws_empty_bar(uint32_t sbase, int slot) { return ws_full_bar(sbase, slot) + 8; }
+#ifndef COLIBRI_WS_DYNAMIC
+#define COLIBRI_WS_DYNAMIC 1 /* 0: wgmma_ws_kernel's items by a fixed stride, as before NOTES.md v15 (timing) */
+#endif
+/* Word `i` of the item words, in the padding of staging row WG_STAGES + i: 0..WG_STAGES-1, the item whose
+ * first stage slot i holds (-1: the producer has no more); WG_STAGES and WG_STAGES + 1, the producer's
+ * two alternating words of its next item. */
+__device__ __forceinline__ uint32_t ws_item_word(uint32_t sbase, int i) { return ws_full_bar(sbase, WG_STAGES + i); }
+
+/* Items after the first wave go to blocks as they ask (sched[0] counts the asks), not by a fixed stride:
+ * a block whose items run short (an expert's last, partial tile) takes the next item in line instead of
+ * running ahead of the others, so the blocks at work keep covering a few neighbouring tiles of the same
+ * column blocks and share their weight blocks in L2 (NOTES.md v15). Which block computes an item does
+ * not change its arithmetic: the output is the same bits. */
+__device__ __forceinline__ unsigned ws_next_item(unsigned *sched) { return atomicAdd(sched, 1u); }
+/* A block whose last ask got no item counts itself done (sched[1]); the last of the grid sets both
+ * counters back to 0 for the next launch, when no block will ask again. */
+__device__ __forceinline__ void ws_block_done(unsigned *sched) {
+    __threadfence();
+    if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+        atomicExch(sched, 0u);
+        atomicExch(sched + 1, 0u);
+    }
+}
+
+/* Waits until the phase of parity `parity` of the mbarrier at `bar` has completed (acquire, block scope).
+ * A barrier just initialised counts its phase of parity 1 as complete. */
+__device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    uint32_t done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+#endif
+}
+
+/* 128 weight rows from `row` x 64 k from k0 of `expert`, by TMA into shared memory at dst, completing
+ * bytes on mbarrier `bar` */
+__device__ __forceinline__ void ws_tma_rows(uint32_t dst, uint64_t map, int k0, int row, int expert, uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+                 "l"(map), "r"(k0), "r"(row), "r"(expert), "r"(bar)
+                 : "memory");
+#endif
+}
+
+template <class T, bool GLU>
+__global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
+    constexpr int P_THREADS = WS_THREADS - WG_THREADS;
+    constexpr int A_PER_T = WG_BM * 8 / P_THREADS, ROW_STEP = P_THREADS / 8;
+    constexpr uint32_t HALF_B = WG_B_BYTES / 2;
+    pdl_begin();
+    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS, items = tiles * nblocks;
+    const int ktiles = (a.k + WG_BK - 1) / WG_BK;
+    const int tid = threadIdx.x;
+
+    extern __shared__ char smem[];
+    const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
+    if (tid == WG_THREADS) {
+        for (int sl = 0; sl < WG_STAGES; sl++) {
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_full_bar(sbase, sl)), "r"(P_THREADS + 1)
+                         : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_empty_bar(sbase, sl)), "r"(WG_THREADS / 32)
+                         : "memory");
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads(); /* the barriers exist before anyone waits on them */
+
+    if (tid >= WG_THREADS) {
+        /* ---- producer ---- */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(WS_PRODUCER_REGS));
+        const int p = tid - WG_THREADS, c = p & 7, r0 = p >> 3;
+        /* thread p copies 16-byte chunk c of rows r0 + i ROW_STEP of A: one swizzled offset for all */
+        const uint32_t my_off = swz<64>(r0, c);
+        const uint64_t map = reinterpret_cast<uint64_t>(&wmap);
+        if (p == 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
+        const T *x = reinterpret_cast<const T *>(a.x);
+        int slot = 0;
+        uint32_t parity = 1; /* of the empty phase to wait for: the first pass through the ring waits for none */
+        /* Items in the order the blocks ask for them (ws_next_item): thread 0 asks one item ahead and the
+         * producer warps read its answer through two alternating words of shared memory. */
+        unsigned ahead = 0;
+        if (COLIBRI_WS_DYNAMIC && p == 0 && (int)blockIdx.x < items) ahead = ws_next_item(a.sched);
+        for (int n_item = 0;; n_item++) {
+            const uint32_t word = ws_item_word(sbase, WG_STAGES + (n_item & 1));
+            if (p == 0) {
+#if COLIBRI_WS_DYNAMIC
+                const int it = n_item == 0 ? (int)blockIdx.x : (int)(gridDim.x + ahead);
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(word), "r"(it) : "memory");
+                if (n_item > 0 && it < items) ahead = ws_next_item(a.sched);
+#else
+                const int it = (int)blockIdx.x + n_item * (int)gridDim.x; /* the fixed stride (timing only) */
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(word), "r"(it) : "memory");
+#endif
+            }
+            asm volatile("bar.sync 1, %0;" ::"n"(P_THREADS) : "memory");
+            int it;
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(word) : "memory");
+            if (it >= items) {
+                /* no more: the consumers read the end from the next slot, its full phase completed by
+                 * 129 plain arrivals once the slot is free */
+                ws_wait(ws_empty_bar(sbase, slot), parity);
+                const uint32_t full = ws_full_bar(sbase, slot);
+                if (p == 0) {
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, slot)), "r"(-1) : "memory");
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
+                }
+                asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
+                if (COLIBRI_WS_DYNAMIC && p == 0) ws_block_done(a.sched);
+                break;
+            }
+            int ti, nb;
+            wg_item(it, tiles, nblocks, ti, nb);
+            const ExpertTile tile = a.tiles[ti];
+            int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
+#pragma unroll
+            for (int i = 0; i < A_PER_T; i++) {
+                const int pos = tile.begin + r0 + i * ROW_STEP;
+                row[i] = pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
+            }
+            /* the map's rows of the two boxes: SWIGLU gate rows and the up rows of the same columns, else
+             * the item's 256 rows */
+            const int row0 = nb * COLS, row1 = GLU ? a.n + nb * COLS : nb * COLS + WG_BN / 2;
+            for (int kt = 0; kt < ktiles; kt++) {
+                ws_wait(ws_empty_bar(sbase, slot), parity);
+                /* the products read the slot through the async proxy; the cp.async below write it through
+                 * the generic one */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                const uint32_t st = sbase + (uint32_t)slot * WG_STAGE_BYTES, full = ws_full_bar(sbase, slot);
+                const int k0 = kt * WG_BK;
+                if (p == 0) {
+                    /* the item, for the consumers, at its first stage (published by the arrival below) */
+                    if (kt == 0)
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, slot)), "r"(it) : "memory");
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
+                                 "r"((uint32_t)WG_B_BYTES)
+                                 : "memory");
+                    ws_tma_rows(st + WG_A_BYTES, map, k0, row0, tile.expert, full);
+                    ws_tma_rows(st + WG_A_BYTES + HALF_B, map, k0, row1, tile.expert, full);
+                }
+                const bool k_ok = k0 + c * 8 < a.k;
+#pragma unroll
+                for (int i = 0; i < A_PER_T; i++) {
+                    const bool ok = row[i] >= 0 && k_ok;
+                    const void *src = ok ? (const void *)(x + (size_t)row[i] * a.k + k0 + c * 8) : a.x;
+                    cp_async16(st + my_off + i * ROW_STEP * 128, src, ok);
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+                if (++slot == WG_STAGES) {
+                    slot = 0;
+                    parity ^= 1u;
+                }
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+    }
+
+    /* ---- consumers ---- */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
+    const int wg = tid >> 7, lane = tid & 31;
+    T *out = reinterpret_cast<T *>(a.out);
+    float acc[128];
+    int stage = 0;
+    uint32_t parity = 0; /* of the full phase to wait for */
+    /* One item's k loop; MMA false as in wgmma_kernel (this warpgroup's rows are all past the tile's end):
+     * it waits and releases like the other, without products. Each warp releases a slot once its
+     * products that read it are complete: the previous stage's after this one's are issued and all but
+     * the newest group done (wgmma.wait_group 1), the item's last after wait_group 0. */
+    /* this warp's arrival on slot `slot`'s empty barrier (none for -1), once all its lanes are past their
+     * waits and products (MMA false: no wgmma.*.aligned has gathered the warp since the wait) */
+    auto release = [&](int slot) {
+        __syncwarp();
+        if (slot >= 0 && lane == 0)
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(ws_empty_bar(sbase, slot)) : "memory");
+    };
+    auto k_loop = [&](auto mma_tag) {
+        constexpr bool MMA = decltype(mma_tag)::value;
+        int prev = -1;
+        for (int kt = 0; kt < ktiles; kt++) {
+            ws_wait(ws_full_bar(sbase, stage), parity);
+            if constexpr (MMA) {
+                /* A was written through the generic proxy (cp.async); wgmma reads through the async proxy */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                for (int ks = 0; ks < WG_BK / 16; ks++)
+                    wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            }
+            release(prev);
+            prev = stage;
+            if (++stage == WG_STAGES) {
+                stage = 0;
+                parity ^= 1u;
+            }
+        }
+        if constexpr (MMA) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        release(prev);
+    };
+    for (;;) {
+        /* the item the producer loads next, written before its first stage's full phase completes (-1: none) */
+        ws_wait(ws_full_bar(sbase, stage), parity);
+        int it;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_item_word(sbase, stage)) : "memory");
+        if (it < 0) break;
+        int ti, nb;
+        wg_item(it, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
+        else k_loop(std::false_type{});
+
+        const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
+        const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
+        const int col0 = nb * COLS;
+        wg_store_half<T, GLU>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
+        if constexpr (!GLU)
+            if (col0 + WG_OUT_COLS < a.n)
+                wg_store_half<T, GLU>(acc, out_buf, 1, out, a.n, col0 + WG_OUT_COLS, prow, tile.end);
+    }
+    /* the last bulk copies are complete (written, not only read) before the block ends */
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#endif
+}
+#endif /* COLIBRI_TMA */
 
 /* Writes 1 where the sm_90a image (and so wgmma_kernel's body) is the one this device runs. */
 __global__ void wgmma_probe_kernel(int *flag) {
@@ -373,3 +682,54 @@ static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, bool 
     if (streaming) return colibri_launch(wgmma_kernel<T, GLU, 3>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
     return colibri_launch(wgmma_kernel<T, GLU, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
+
+#if COLIBRI_TMA
+typedef CUresult (*WsEncodeFn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *, const cuuint64_t *,
+                               const cuuint64_t *, const cuuint32_t *, const cuuint32_t *, CUtensorMapInterleave,
+                               CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+/* The driver's cuTensorMapEncodeTiled (through the runtime: no link to libcuda), or NULL. */
+static void *ws_encode_fn() {
+    void *fn = NULL;
+    cudaDriverEntryPointQueryResult found;
+#if CUDART_VERSION >= 12050
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &found);
+#endif
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return fn;
+}
+
+template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one() {
+    return cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+}
+
+/* The 3-d tensor map (k, row, expert) of projection a's weights for wgmma_ws_kernel, in boxes of 64 k x 128
+ * rows, 128-byte swizzled (the ring's layout); rows and k past the matrix read 0. GLU: the up matrix
+ * follows the gate matrix (a.w_second = n k elements), so the map has 2n rows. Encoded on the host at each
+ * launch (a graph keeps it among the kernel's parameters). False where the driver would not encode it. */
+template <class T, bool GLU> static bool ws_tensor_map(void *encode, const ProjArgs &a, int experts, CUtensorMap *map) {
+    const cuuint64_t dims[3] = {(cuuint64_t)a.k, (cuuint64_t)(GLU ? 2 * a.n : a.n), (cuuint64_t)experts};
+    const cuuint64_t strides[2] = {(cuuint64_t)a.k * sizeof(T), (cuuint64_t)a.w_expert_stride};
+    const cuuint32_t box[3] = {WG_BK, WG_BN / 2, 1}, unit[3] = {1, 1, 1};
+    const CUtensorMapDataType dt =
+        std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    return ((WsEncodeFn)encode)(map, dt, 3, (void *)a.w, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* One block per SM (at most one per item the tile table can hold), as wgmma_launch. */
+template <class T, bool GLU>
+static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, int64_t slots, int sms,
+                                   cudaStream_t stream) {
+    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
+    const int64_t most = slots * ((a.n + COLS - 1) / COLS);
+    const dim3 grid((unsigned)(most < sms ? most : sms));
+    return colibri_launch(wgmma_ws_kernel<T, GLU>, grid, dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
+}
+#endif /* COLIBRI_TMA */
