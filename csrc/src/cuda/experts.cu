@@ -437,6 +437,8 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
 #define GEMV_SHORT_ROW_BYTES 8192
 #define GEMV_LOOP_BLOCKS_PER_SM 3
 
+#define WS_SMALL_TILE_MIN_EXPERTS 32
+
 /* 1..GEMV_GROUP: the few-tokens path (gemv.cuh) with that many token rows per pass: the smallest of 2,
  * 4, 8 at or above 1.5x the mean assignments per expert (1 for at most one per expert on average
  * when the experts outnumber the assignments 4 to 1). 16..128: the tensor-core tile height, ~1.5x the
@@ -456,8 +458,15 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
         return want3 <= 4 * E ? 2 : want3 <= 8 * E ? 4 : GEMV_GROUP;
     }
     const int64_t want = (assignments * 3 / 2 + E - 1) / E;
-    if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) return 32;
-    return want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
+    int32_t tile = want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
+    if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
+    /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead (its
+     * producer streams the weights of a partial tile well, and its items hand out by a counter): measured
+     * on the H200 (NOTES.md v15 C) DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.03-1.05x over the 32-row
+     * mma_kernel, Mixtral (8 experts) T=64 0.98x, so not below WS_SMALL_TILE_MIN_EXPERTS. */
+    if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode)
+        tile = WG_BM;
+    return tile;
 }
 
 /* Few enough assignments that the few-tokens path finds each block's expert itself (no permute). */
