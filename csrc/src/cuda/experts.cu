@@ -462,8 +462,9 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
     if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
     /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead (its
      * producer streams the weights of a partial tile well, and its items hand out by a counter): measured
-     * on the H200 (NOTES.md v15 C) DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.03-1.05x over the 32-row
-     * mma_kernel, Mixtral (8 experts) T=64 0.98x, so not below WS_SMALL_TILE_MIN_EXPERTS. */
+     * on the H200 (NOTES.md v15 C) DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.05-1.08x over the 32-row
+     * mma_kernel, T=384 1.46x over the 64-row one, but Mixtral (8 experts) T=64 0.98x, so not below
+     * WS_SMALL_TILE_MIN_EXPERTS. */
     if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode)
         tile = WG_BM;
     return tile;
