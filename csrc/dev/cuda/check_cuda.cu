@@ -484,7 +484,7 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
         expect(memcmp(a.data(), b.data(), obytes) == 0 && all_finite(a.data(), adt, (size_t)T * s.H), what);
         /* and right: each replay's fresh inputs against the float64 forward of their routing (state kept
          * in the context between forwards, such as wgmma_ws_kernel's item counters, must not leak) */
-        CUDA_OK(cudaMemset(d_rids, 0xff, rids.size() * 4));
+        CUDA_OK(cudaMemsetAsync(d_rids, 0xff, rids.size() * 4, st)); /* on st, as above */
         COL_OK(colibri_moe_route(ctx, T, adt, in, d_rids, d_rwts, st));
         CUDA_OK(cudaStreamSynchronize(st));
         CUDA_OK(cudaMemcpy(rids.data(), d_rids, rids.size() * 4, cudaMemcpyDeviceToHost));
