@@ -349,6 +349,8 @@ def m_hidden_not_finite(draw, request, oracle, rng):
 
 def m_weight_not_finite(draw, request, oracle, rng):
     t = find(request, "topk_weights")
+    if not (isinstance(t.values, np.ndarray) and t.values.dtype.kind == "f"):
+        raise NotApplicable("topk_weights not floats")
     flat = t.values.reshape(-1)
     flat[some_element(draw, flat)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
     return "a routing weight not finite"
