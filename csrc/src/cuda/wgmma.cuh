@@ -205,6 +205,22 @@ __device__ __forceinline__ void wg_item(int it, int tiles, int nblocks, int &til
     nb = group * WG_GROUP_N + r % width;
 }
 
+/* Item `it`'s products into acc, for both kernels below: finds the item's tile (returned) and column block
+ * (nb), zeroes acc and runs this warpgroup's k loop, with products or, where its 64 rows of the tile are
+ * all past the tile's end, without (wgmma_kernel's k_loop says why). */
+template <class KLoop>
+__device__ __forceinline__ ExpertTile wg_products(const ProjArgs &a, int it, int tiles, int nblocks, int wg,
+                                                  float (&acc)[128], int &nb, KLoop &k_loop) {
+    int ti;
+    wg_item(it, tiles, nblocks, ti, nb);
+    const ExpertTile tile = a.tiles[ti];
+#pragma unroll
+    for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+    if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
+    else k_loop(std::false_type{});
+    return tile;
+}
+
 /* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
  * so the next item's first stages load while this one's last products and epilogue run.
  * AHEAD: stages the loader runs ahead of the products. 2 (the compute-bound tiles): a slot is refilled
@@ -323,13 +339,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         }
     };
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
-        int ti, nb;
-        wg_item(it, tiles, nblocks, ti, nb);
-        const ExpertTile tile = a.tiles[ti];
-#pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-        if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
-        else k_loop(std::false_type{});
+        int nb;
+        const ExpertTile tile = wg_products(a, it, tiles, nblocks, wg, acc, nb, k_loop);
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 
         /* Each warp writes its 16 rows x 128 columns to its part of the staging buffer and the bulk-copy
@@ -621,13 +632,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         int it;
         asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_item_word(sbase, stage)) : "memory");
         if (it < 0) break;
-        int ti, nb;
-        wg_item(it, tiles, nblocks, ti, nb);
-        const ExpertTile tile = a.tiles[ti];
-#pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-        if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
-        else k_loop(std::false_type{});
+        int nb;
+        const ExpertTile tile = wg_products(a, it, tiles, nblocks, wg, acc, nb, k_loop);
 
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
