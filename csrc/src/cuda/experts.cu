@@ -204,25 +204,9 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ks++) {
             uint32_t af[MI][4];
+            mma_a_frags<BK>(st, wm * WTM, ks, af);
 #pragma unroll
-            for (int i = 0; i < MI; i++) {
-                const int r = wm * WTM + i * 16 + (lane & 15);
-                ldmatrix_x4(st + swz<BK>(r, ks * 2 + (lane >> 4)), af[i]);
-            }
-#pragma unroll
-            for (int m = 0; m < NMAT; m++) {
-#pragma unroll
-                for (int jp = 0; jp < NI / 2; jp++) {
-                    uint32_t bf[4];
-                    const int r = wn * WTN + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    ldmatrix_x4(st + A_BYTES + m * B_BYTES + swz<BK>(r, ks * 2 + ((lane >> 3) & 1)), bf);
-#pragma unroll
-                    for (int i = 0; i < MI; i++) {
-                        mma16816<T>(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
-                        mma16816<T>(acc[m][i][2 * jp + 1], af[i], bf[2], bf[3]);
-                    }
-                }
-            }
+            for (int m = 0; m < NMAT; m++) mma_b_step<T, BK>(st + A_BYTES + m * B_BYTES, wn * WTN, ks, af, acc[m]);
         }
     }
     cp_async_wait<0>();

@@ -45,4 +45,30 @@ template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], cons
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/* The A fragments of one 16-element k step (ks, of the stage at st): MI tiles of 16 rows from row r0. */
+template <int BK, int MI>
+__device__ __forceinline__ void mma_a_frags(uint32_t st, int r0, int ks, uint32_t (&af)[MI][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int i = 0; i < MI; i++) ldmatrix_x4(st + swz<BK>(r0 + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
+}
+
+/* One 16-element k step of the B rows [r0, r0 + 8 NI) at b (a matrix of the stage) against the A fragments
+ * af: acc[i][j] += A tile i x B columns [r0 + 8j, + 8). */
+template <class T, int BK, int MI, int NI>
+__device__ __forceinline__ void mma_b_step(uint32_t b, int r0, int ks, const uint32_t (&af)[MI][4],
+                                           float (&acc)[MI][NI][4]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int jp = 0; jp < NI / 2; jp++) {
+        uint32_t bf[4];
+        ldmatrix_x4(b + swz<BK>(r0 + jp * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1)), bf);
+#pragma unroll
+        for (int i = 0; i < MI; i++) {
+            mma16816<T>(acc[i][2 * jp], af[i], bf[0], bf[1]);
+            mma16816<T>(acc[i][2 * jp + 1], af[i], bf[2], bf[3]);
+        }
+    }
+}
+
 #endif

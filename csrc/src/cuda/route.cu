@@ -536,23 +536,11 @@ __global__ void __launch_bounds__(RMMA_THREADS, ROUTE_GEMM_BLOCKS_PER_SM)
 #pragma unroll
         for (int ks = 0; ks < BK / 16; ks++) {
             uint32_t af[MI][4];
+            mma_a_frags<BK>(st, wm * WTM, ks, af);
+            /* the hi part into the first set of sums, mid and lo into the second (see the header above) */
 #pragma unroll
-            for (int i = 0; i < MI; i++)
-                ldmatrix_x4(st + swz<BK>(wm * WTM + i * 16 + (lane & 15), ks * 2 + (lane >> 4)), af[i]);
-#pragma unroll
-            for (int m = 0; m < PARTS; m++) {
-#pragma unroll
-                for (int jp = 0; jp < NI / 2; jp++) {
-                    uint32_t bf[4];
-                    const int r = wn * WTN + jp * 16 + (lane & 7) + ((lane >> 4) << 3);
-                    ldmatrix_x4(st + RMMA_A_BYTES + m * RMMA_B_BYTES + swz<BK>(r, ks * 2 + ((lane >> 3) & 1)), bf);
-#pragma unroll
-                    for (int i = 0; i < MI; i++) {
-                        mma16816<__nv_bfloat16>(acc[m > 0][i][2 * jp], af[i], bf[0], bf[1]);
-                        mma16816<__nv_bfloat16>(acc[m > 0][i][2 * jp + 1], af[i], bf[2], bf[3]);
-                    }
-                }
-            }
+            for (int m = 0; m < PARTS; m++)
+                mma_b_step<__nv_bfloat16, BK>(st + RMMA_A_BYTES + m * RMMA_B_BYTES, wn * WTN, ks, af, acc[m > 0]);
         }
     }
     cp_async_wait<0>();
