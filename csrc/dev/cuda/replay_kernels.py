@@ -28,7 +28,7 @@ import torch
 
 sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench")]
 import bench_gpu as bg  # noqa: E402
-import decode_trace  # noqa: E402  (beside this file: the contexts of bench_gpu.py's layers)
+import decode_trace  # noqa: E402  (beside this file: bench_gpu.py's layers as contexts, a timed replay)
 
 
 def short_name(name):
@@ -93,13 +93,7 @@ def sustain_one(labelled, T, x, out, seconds, flush):
                 for label, g in graphs.items():
                     t0 = time.time()
                     while time.time() - t0 < seconds:
-                        flush.zero_()
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        g.replay()
-                        b.record()
-                        b.synchronize()
-                        times[label].append(a.elapsed_time(b))
+                        times[label].append(decode_trace.timed(g, flush, "zero") / 1e3)
                     phases.append((label, t0, time.time()))
         finally:
             smi.terminate()
