@@ -338,21 +338,22 @@ def m_expert_id(draw, request, oracle, rng):
     return "an expert id out of range"
 
 
-def m_hidden_not_finite(draw, request, oracle, rng):
-    t = find(request, "hidden_states")
+def put_not_finite(draw, request, name):
+    """NaN or an infinity into one element of input `name`, unless an earlier mutation made it non-float."""
+    t = find(request, name)
     if not (isinstance(t.values, np.ndarray) and t.values.dtype.kind == "f"):
-        raise NotApplicable("hidden_states not floats")
+        raise NotApplicable(f"{name} not floats")
     flat = t.values.reshape(-1)
     flat[some_element(draw, flat)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+
+
+def m_hidden_not_finite(draw, request, oracle, rng):
+    put_not_finite(draw, request, "hidden_states")
     return "a hidden state not finite"
 
 
 def m_weight_not_finite(draw, request, oracle, rng):
-    t = find(request, "topk_weights")
-    if not (isinstance(t.values, np.ndarray) and t.values.dtype.kind == "f"):
-        raise NotApplicable("topk_weights not floats")
-    flat = t.values.reshape(-1)
-    flat[some_element(draw, flat)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    put_not_finite(draw, request, "topk_weights")
     return "a routing weight not finite"
 
 
