@@ -64,7 +64,7 @@ def trace_one(labelled, T, x, out, reps, flush):
     replays, current = [], None
     for name, start, end in kernel_records(prof):
         if "FillFunctor" in name or "emset" in name:
-            if current is not None and current:
+            if current:
                 replays.append(current)
             current = []
             continue
