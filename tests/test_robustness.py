@@ -274,7 +274,8 @@ def broken_requests(draw, oracle, protocol):
 def m_hidden_size(draw, request, oracle, rng):
     t = find(request, "hidden_states")
     H = draw(st.sampled_from([0, 1, oracle.H - 1, oracle.H + 1, 2 * oracle.H]))
-    t.values = rng.standard_normal((t.values.shape[0], H)).astype(np.float32)
+    # in the element type the values have (an earlier mutation may have made them strings, for BYTES)
+    t.values = rng.standard_normal((t.values.shape[0], H)).astype(np.float32).astype(t.values.dtype)
     return f"H={H}"
 
 
