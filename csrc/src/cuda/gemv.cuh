@@ -117,6 +117,34 @@ __device__ __forceinline__ int gemv_direct_setup(const ProjArgs &a, int &expert,
     return count;
 }
 
+/* gemv_direct_setup for at most 32 ids, by each warp alone: no block barrier. The warp's positions go to
+ * its own 32 ints of s_pos (s_pos_w); the expert and the count are those the block version finds. At
+ * decode the block version's barriers and scan stood between the dependency wait and the first weight
+ * load of every block (2200-3700 cycles with the ids load, NOTES.md v14 D). */
+__device__ __forceinline__ int gemv_direct_setup_warp(const ProjArgs &a, int &expert, int *s_pos_w) {
+    const int lane = threadIdx.x & 31, n = a.num_ids;
+    int id = -1;
+    if (lane < n) {
+        const int e = __ldcg(a.ids + lane); /* from L2: an early second projection reads it before its wait */
+        if ((unsigned)e < (unsigned)a.num_experts) id = e;
+        else if (a.bad_id && blockIdx.x == 0 && blockIdx.y == 0) *a.bad_id = 1;
+    }
+    /* a valid id's first lane stands for its expert; its rank among those, ascending id, picks the block */
+    const unsigned same = __match_any_sync(0xffffffffu, id);
+    const bool first = id >= 0 && (same & ((1u << lane) - 1u)) == 0;
+    const unsigned firsts = __ballot_sync(0xffffffffu, first);
+    int rank = 0;
+    for (unsigned f = firsts; f; f &= f - 1) rank += __shfl_sync(0xffffffffu, id, __ffs(f) - 1) < id;
+    const unsigned hit = __ballot_sync(0xffffffffu, first && rank == (int)blockIdx.x);
+    if (!hit) return 0;
+    expert = __shfl_sync(0xffffffffu, id, __ffs(hit) - 1);
+    const unsigned m = __ballot_sync(0xffffffffu, id == expert);
+    if (id == expert) s_pos_w[__popc(m & ((1u << lane) - 1u))] = lane;
+    __syncwarp();
+    if (a.totals && blockIdx.y == 0 && threadIdx.x == 0) a.totals[expert] += (unsigned long long)__popc(m);
+    return __popc(m);
+}
+
 /* Position p of this block: its output row and its x row. */
 __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_pos, int p, int &out_row, int &x_row) {
     if (s_pos) {
@@ -257,7 +285,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
     else pdl_begin();
     int expert = 0, p0, p1;
     const int *s_pos = nullptr;
-    if (a.ids) {
+    if (a.ids && a.num_ids <= 32) {
+        /* each warp its own 32 positions (GEMV_DIRECT_MAX = 8 warps x 32) */
+        int *mine = s_pos_buf + (threadIdx.x >> 5) * 32;
+        p1 = gemv_direct_setup_warp(a, expert, mine);
+        if (p1 == 0) return;
+        p0 = 0;
+        s_pos = mine;
+    } else if (a.ids) {
         p1 = gemv_direct_setup(a, expert, s_pos_buf);
         if (p1 == 0) return;
         p0 = 0;
