@@ -70,6 +70,7 @@ struct CudaBackend {
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
+    int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */

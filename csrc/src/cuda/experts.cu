@@ -348,13 +348,17 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
          * COLIBRI_CUDA_NO_WS=1: how the harness checks wgmma_kernel on an H100/H200) */
         const char *no_ws = getenv("COLIBRI_CUDA_NO_WS");
         b->tma_encode = no_ws && no_ws[0] && strcmp(no_ws, "0") != 0 ? NULL : ws_encode_fn();
-        if (b->tma_encode && (wgmma_ws_setup_one<__nv_bfloat16, true>() != cudaSuccess ||
-                              wgmma_ws_setup_one<__nv_bfloat16, false>() != cudaSuccess ||
-                              wgmma_ws_setup_one<__half, true>() != cudaSuccess ||
-                              wgmma_ws_setup_one<__half, false>() != cudaSuccess)) {
+        int clusters = -1;
+        if (b->tma_encode && (wgmma_ws_setup_one<__nv_bfloat16, true>(&clusters) != cudaSuccess ||
+                              wgmma_ws_setup_one<__nv_bfloat16, false>(&clusters) != cudaSuccess ||
+                              wgmma_ws_setup_one<__half, true>(&clusters) != cudaSuccess ||
+                              wgmma_ws_setup_one<__half, false>(&clusters) != cudaSuccess)) {
             (void)cudaGetLastError();
             b->tma_encode = NULL;
         }
+        /* COLIBRI_CUDA_NO_MC=1: the tiles an expert shares stay on the one-block kernel (harness, timing) */
+        const char *no_mc = getenv("COLIBRI_CUDA_NO_MC");
+        b->ws_clusters = b->tma_encode && !(no_mc && no_mc[0] && strcmp(no_mc, "0") != 0) && clusters > 0 ? clusters : 0;
 #endif
     }
     for (int lk = 0; lk < 2; lk++) {
@@ -466,6 +470,20 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
     return assignments < (int64_t)WG_BM * c->num_experts;
 }
 
+/* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (wgmma_ws_kernel
+ * with MC: an expert's weight block multicast to the two tiles of a pair, wgmma.cuh): where they are
+ * compute-bound (not streaming) and the experts have at most WS_MC_MAX_TILES tiles each on average.
+ * Measured on the H200 against the one-block kernel, same run (NOTES.md v17 B): Mixtral T=512 (1 tile
+ * per expert) 1.12x, T=1024 (2) 1.07x, DeepSeek-V2-Lite T=2048 (1.5) 1.03x, Qwen1.5-MoE T=2048 (1.1)
+ * 1.00x; with more tiles per expert the one-block kernel's tiles share the weight blocks in L2 among
+ * themselves and the pairs' coupled k steps cost more than the halved L2 reads save: Mixtral T=2048 (4)
+ * 0.99x, T=4096 (8) 0.98x, DeepSeek T=4096 (3) 0.97x, Qwen T=4096 (2.3) 0.97x. */
+#define WS_MC_MAX_TILES 2
+
+static bool ws_multicast(const colibri_moe_config_t *c, int64_t assignments) {
+    return !wg_streaming(c, assignments) && assignments <= (int64_t)WS_MC_MAX_TILES * WG_BM * c->num_experts;
+}
+
 /* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
  * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */
 static void mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, int32_t tile_m,
@@ -525,7 +543,8 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         CUtensorMap map;
         if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
             ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map))
-            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, stream);
+            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count,
+                                            ws_multicast(&ctx->cfg, assignments) ? b->ws_clusters : 0, stream);
 #endif
         if (tile_m == WG_BM && b->wgmma)
             return wgmma_launch<TW, GLU>(a, slots, b->sm_count, wg_streaming(&ctx->cfg, assignments), stream);

@@ -432,11 +432,11 @@ __device__ __forceinline__ uint32_t ws_item_word(uint32_t sbase, int i) { return
  * column blocks and share their weight blocks in L2 (NOTES.md v15). Which block computes an item does
  * not change its arithmetic: the output is the same bits. */
 __device__ __forceinline__ unsigned ws_next_item(unsigned *sched) { return atomicAdd(sched, 1u); }
-/* A block whose last ask got no item counts itself done (sched[1]); the last of the grid sets both
- * counters back to 0 for the next launch, when no block will ask again. */
-__device__ __forceinline__ void ws_block_done(unsigned *sched) {
+/* A block (a cluster, with MC) whose last ask got no item counts itself done (sched[1]); the last of the
+ * `askers` sets both counters back to 0 for the next launch, when no one will ask again. */
+__device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) {
     __threadfence();
-    if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+    if (atomicAdd(sched + 1, 1u) == askers - 1) {
         atomicExch(sched, 0u);
         atomicExch(sched + 1, 0u);
     }
@@ -456,6 +456,54 @@ __device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t parity) {
 #endif
 }
 
+/* With MC (clusters of two blocks): the item word the cluster's rank 0 hands to rank 1 (in rank 1's
+ * shared memory, two alternating words) and the pair of mbarriers of each word: "full" (in rank 1,
+ * completed by rank 0's remote arrival after its write) and "empty" (in rank 0, completed by rank 1's
+ * after its read). Rows 10-13 of the staging rows' padding. */
+__device__ __forceinline__ uint32_t ws_chan_word(uint32_t sbase, int b) { return ws_full_bar(sbase, 10 + b); }
+__device__ __forceinline__ uint32_t ws_chan_full(uint32_t sbase, int b) { return ws_full_bar(sbase, 12 + b); }
+__device__ __forceinline__ uint32_t ws_chan_empty(uint32_t sbase, int b) { return ws_full_bar(sbase, 12 + b) + 8; }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ uint32_t ws_cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+/* the address in the cluster's shared window of the same offset in block `rank` */
+__device__ __forceinline__ uint32_t ws_cluster_addr(uint32_t local, uint32_t rank) {
+    uint32_t r;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+    return r;
+}
+/* An arrival on the mbarrier at `cluster_addr` of the other block: `ordered`, the writes to the cluster's
+ * shared memory before it are visible to a thread that waits for it with ws_wait_cluster (release at
+ * cluster scope: a fence through the whole memory system, MEMBAR.ALL.GPU); else an arrival as the local
+ * ones (release at block scope), which a consumer warp's release of a slot needs no more than (its
+ * products are complete after wgmma.wait_group, and the other block only overwrites the slot). */
+template <bool ordered> __device__ __forceinline__ void ws_remote_arrive(uint32_t cluster_addr) {
+    if constexpr (ordered)
+        asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+    else
+        asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+/* ws_wait, ordered after writes of the other block of the cluster that preceded its arrival */
+__device__ __forceinline__ void ws_wait_cluster(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2; "
+                     "selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* every thread of both blocks: the cluster's memory operations before it are visible after it */
+__device__ __forceinline__ void ws_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+#endif
+
 /* 128 weight rows from `row` x 64 k from k0 of `expert`, by TMA into shared memory at dst, completing
  * bytes on mbarrier `bar` */
 __device__ __forceinline__ void ws_tma_rows(uint32_t dst, uint64_t map, int k0, int row, int expert, uint32_t bar) {
@@ -467,7 +515,26 @@ __device__ __forceinline__ void ws_tma_rows(uint32_t dst, uint64_t map, int k0, 
 #endif
 }
 
-template <class T, bool GLU>
+/* The same 128 rows into the same offset of both blocks of the cluster, completing bytes on each block's
+ * mbarrier at `bar`'s offset */
+__device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k0, int row, int expert, uint32_t bar) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(dst),
+                 "l"(map), "r"(k0), "r"(row), "r"(expert), "r"(bar), "h"((unsigned short)3)
+                 : "memory");
+#endif
+}
+
+/* MC: the grid is clusters of two blocks; a unit of work is a pair of tiles 2q, 2q + 1 (rank r takes
+ * tile 2q + r; rank 1 has none past the last tile) for one column block. Where both tiles are of one
+ * expert their weight block is shared: each rank loads half of every stage's 256 weight rows by a TMA
+ * multicast into both blocks (L2 -> SM traffic of the weights halved: NOTES.md v9 B, C; v15 B); else
+ * each loads its own. Either way each block's "empty" barriers count the consumer warps of both, so the
+ * two run their rings in step, and rank 0 takes the units from the counter and hands them to rank 1.
+ * experts.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
+ * with more, whose tiles share weight blocks in L2 well enough on one block each: NOTES.md v17 B). */
+template <class T, bool GLU, bool MC>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
@@ -475,9 +542,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     constexpr int A_PER_T = WG_BM * 8 / P_THREADS, ROW_STEP = P_THREADS / 8;
     constexpr uint32_t HALF_B = WG_B_BYTES / 2;
     pdl_begin();
-    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS, items = tiles * nblocks;
+    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS;
+    /* units of work: items (tile, column block), or with MC pairs of tiles x column blocks */
+    const int pairs = MC ? (tiles + 1) >> 1 : tiles, items = pairs * nblocks;
     const int ktiles = (a.k + WG_BK - 1) / WG_BK;
     const int tid = threadIdx.x;
+    const uint32_t rank = MC ? ws_cluster_rank() : 0, peer = rank ^ 1u;
+    const int first = MC ? (int)(blockIdx.x >> 1) : (int)blockIdx.x; /* this block's (cluster's) first unit */
+    const int askers = MC ? (int)(gridDim.x >> 1) : (int)gridDim.x;
 
     extern __shared__ char smem[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
@@ -485,12 +557,33 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         for (int sl = 0; sl < WG_STAGES; sl++) {
             asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_full_bar(sbase, sl)), "r"(P_THREADS + 1)
                          : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_empty_bar(sbase, sl)), "r"(WG_THREADS / 32)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_empty_bar(sbase, sl)),
+                         "r"((MC ? 2 : 1) * WG_THREADS / 32)
                          : "memory");
         }
+        if (MC)
+            for (int b = 0; b < 2; b++) {
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ws_chan_full(sbase, b)) : "memory");
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ws_chan_empty(sbase, b)) : "memory");
+            }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __syncthreads(); /* the barriers exist before anyone waits on them */
+    /* the barriers exist (with MC: in both blocks) before anyone waits on them or arrives */
+    if constexpr (MC) ws_cluster_sync();
+    else __syncthreads();
+    /* unit `it` -> this block's tile (-1: none; MC rank 1 past the last tile), its column block, and
+     * whether the cluster shares the weight block */
+    auto unit = [&](int it, int &ti, int &nb, bool &share) {
+        int q;
+        wg_item(it, pairs, nblocks, q, nb);
+        share = false;
+        if constexpr (MC) {
+            ti = 2 * q + (int)rank < tiles ? 2 * q + (int)rank : -1;
+            share = 2 * q + 1 < tiles && a.tiles[2 * q].expert == a.tiles[2 * q + 1].expert;
+        } else {
+            ti = q;
+        }
+    };
 
     if (tid >= WG_THREADS) {
         /* ---- producer ---- */
@@ -506,18 +599,38 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         /* Items in the order the blocks ask for them (ws_next_item): thread 0 asks one item ahead and the
          * producer warps read its answer through two alternating words of shared memory. */
         unsigned ahead = 0;
-        if (COLIBRI_WS_DYNAMIC && p == 0 && (int)blockIdx.x < items) ahead = ws_next_item(a.sched);
+        if (COLIBRI_WS_DYNAMIC && p == 0 && rank == 0 && first < items) ahead = ws_next_item(a.sched);
         for (int n_item = 0;; n_item++) {
             const uint32_t word = ws_item_word(sbase, WG_STAGES + (n_item & 1));
             if (p == 0) {
+                int it;
+                if (rank == 0) {
 #if COLIBRI_WS_DYNAMIC
-                const int it = n_item == 0 ? (int)blockIdx.x : (int)(gridDim.x + ahead);
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(word), "r"(it) : "memory");
-                if (n_item > 0 && it < items) ahead = ws_next_item(a.sched);
+                    it = n_item == 0 ? first : askers + (int)ahead;
+                    if (n_item > 0 && it < items) ahead = ws_next_item(a.sched);
 #else
-                const int it = (int)blockIdx.x + n_item * (int)gridDim.x; /* the fixed stride (timing only) */
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(word), "r"(it) : "memory");
+                    it = first + n_item * askers; /* the fixed stride (timing only) */
 #endif
+                }
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+                if constexpr (MC) {
+                    /* rank 0 -> rank 1 through word n_item & 1 of rank 1, its (n_item >> 1)-th use */
+                    const int b = n_item & 1;
+                    const uint32_t use = (uint32_t)n_item >> 1;
+                    if (rank == 0) {
+                        if (use > 0) ws_wait_cluster(ws_chan_empty(sbase, b), (use - 1) & 1u);
+                        asm volatile("st.shared::cluster.b32 [%0], %1;" ::"r"(ws_cluster_addr(ws_chan_word(sbase, b), peer)),
+                                     "r"(it)
+                                     : "memory");
+                        ws_remote_arrive<true>(ws_cluster_addr(ws_chan_full(sbase, b), peer));
+                    } else {
+                        ws_wait_cluster(ws_chan_full(sbase, b), use & 1u);
+                        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_chan_word(sbase, b)) : "memory");
+                        ws_remote_arrive<true>(ws_cluster_addr(ws_chan_empty(sbase, b), peer));
+                    }
+                }
+#endif
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(word), "r"(it) : "memory");
             }
             asm volatile("bar.sync 1, %0;" ::"n"(P_THREADS) : "memory");
             int it;
@@ -532,12 +645,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
                 }
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
-                if (COLIBRI_WS_DYNAMIC && p == 0) ws_block_done(a.sched);
+                if (COLIBRI_WS_DYNAMIC && p == 0 && rank == 0) ws_block_done(a.sched, (unsigned)askers);
                 break;
             }
             int ti, nb;
-            wg_item(it, tiles, nblocks, ti, nb);
-            const ExpertTile tile = a.tiles[ti];
+            bool share;
+            unit(it, ti, nb, share);
+            const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0}; /* none: no rows */
             int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
 #pragma unroll
             for (int i = 0; i < A_PER_T; i++) {
@@ -558,11 +672,17 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     /* the item, for the consumers, at its first stage (published by the arrival below) */
                     if (kt == 0)
                         asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, slot)), "r"(it) : "memory");
+                    /* the stage's 256 weight rows: shared, half from each block (both halves land here);
+                     * else both from here; none for no tile */
                     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
-                                 "r"((uint32_t)WG_B_BYTES)
+                                 "r"(ti >= 0 || share ? (uint32_t)WG_B_BYTES : 0u)
                                  : "memory");
-                    ws_tma_rows(st + WG_A_BYTES, map, k0, row0, tile.expert, full);
-                    ws_tma_rows(st + WG_A_BYTES + HALF_B, map, k0, row1, tile.expert, full);
+                    if (MC && share) {
+                        ws_tma_rows_mc(st + WG_A_BYTES + rank * HALF_B, map, k0, rank ? row1 : row0, tile.expert, full);
+                    } else if (ti >= 0) {
+                        ws_tma_rows(st + WG_A_BYTES, map, k0, row0, tile.expert, full);
+                        ws_tma_rows(st + WG_A_BYTES + HALF_B, map, k0, row1, tile.expert, full);
+                    }
                 }
                 const bool k_ok = k0 + c * 8 < a.k;
 #pragma unroll
@@ -579,6 +699,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        /* with MC the other block's consumers may still arrive on this block's barriers */
+        if constexpr (MC) ws_cluster_sync();
+#endif
         return;
     }
 
@@ -597,8 +721,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
      * waits and products (MMA false: no wgmma.*.aligned has gathered the warp since the wait) */
     auto release = [&](int slot) {
         __syncwarp();
-        if (slot >= 0 && lane == 0)
+        if (slot >= 0 && lane == 0) {
             asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(ws_empty_bar(sbase, slot)) : "memory");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+            /* with MC the other block refills this slot too (its half of a shared weight block) */
+            if constexpr (MC) ws_remote_arrive<false>(ws_cluster_addr(ws_empty_bar(sbase, slot), peer));
+#endif
+        }
     };
     auto k_loop = [&](auto mma_tag) {
         constexpr bool MMA = decltype(mma_tag)::value;
@@ -632,8 +761,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         int it;
         asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_item_word(sbase, stage)) : "memory");
         if (it < 0) break;
-        int nb;
-        const ExpertTile tile = wg_products(a, it, tiles, nblocks, wg, acc, nb, k_loop);
+        int ti, nb;
+        bool share;
+        unit(it, ti, nb, share);
+        const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0};
+#pragma unroll
+        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+        if (tile.end - tile.begin > wg * (WG_BM / 2)) k_loop(std::true_type{});
+        else k_loop(std::false_type{});
+        if (ti < 0) continue; /* MC rank 1 with no tile: the ring kept in step, nothing to store */
 
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
@@ -645,6 +781,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     }
     /* the last bulk copies are complete (written, not only read) before the block ends */
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if constexpr (MC) ws_cluster_sync();
 #endif
 }
 #endif /* COLIBRI_TMA */
@@ -710,8 +847,32 @@ static void *ws_encode_fn() {
     return fn;
 }
 
-template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one() {
-    return cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+/* Sets up both kernels of (T, GLU); *clusters: how many clusters of two of the MC kernel fit at once
+ * (0 where none would: the MC kernel is then not used). */
+template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters) {
+    cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         WG_SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 2;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(2);
+    cfg.blockDim = dim3(WS_THREADS);
+    cfg.dynamicSmemBytes = WG_SMEM_BYTES;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, wgmma_ws_kernel<T, GLU, true>, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();
+        n = 0;
+    }
+    *clusters = *clusters < 0 ? n : (n < *clusters ? n : *clusters);
+    return cudaSuccess;
 }
 
 /* The 3-d tensor map (k, row, expert) of projection a's weights for wgmma_ws_kernel, in boxes of 64 k x 128
@@ -729,13 +890,33 @@ template <class T, bool GLU> static bool ws_tensor_map(void *encode, const ProjA
                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-/* One block per SM (at most one per item the tile table can hold), as wgmma_launch. */
+/* One block per SM (at most one per item the tile table can hold), as wgmma_launch; with `clusters` > 0,
+ * that many clusters of two of the MC kernel (at most one per pair of tiles and column block). */
 template <class T, bool GLU>
-static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, int64_t slots, int sms,
+static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, int64_t slots, int sms, int clusters,
                                    cudaStream_t stream) {
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
-    const int64_t most = slots * ((a.n + COLS - 1) / COLS);
+    const int64_t nblocks = (a.n + COLS - 1) / COLS;
+    if (clusters > 0) {
+        const int64_t most = (slots + 1) / 2 * nblocks;
+        cudaLaunchAttribute attr[2];
+        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[0].val.programmaticStreamSerializationAllowed = 1;
+        attr[1].id = cudaLaunchAttributeClusterDimension;
+        attr[1].val.clusterDim.x = 2;
+        attr[1].val.clusterDim.y = 1;
+        attr[1].val.clusterDim.z = 1;
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3((unsigned)(2 * (most < clusters ? most : clusters)));
+        cfg.blockDim = dim3(WS_THREADS);
+        cfg.dynamicSmemBytes = WG_SMEM_BYTES;
+        cfg.stream = stream;
+        cfg.attrs = attr;
+        cfg.numAttrs = 2;
+        return cudaLaunchKernelEx(&cfg, wgmma_ws_kernel<T, GLU, true>, map, a);
+    }
+    const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    return colibri_launch(wgmma_ws_kernel<T, GLU>, grid, dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
+    return colibri_launch(wgmma_ws_kernel<T, GLU, false>, grid, dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
 }
 #endif /* COLIBRI_TMA */
