@@ -17,8 +17,8 @@
  * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages (with 2 and with
  * 3 stages ahead: compute-bound and streaming tiles); for routing, the
  * small-T kernel, the gemv, the gemv split along H (rows of 1000 and 4000 elements: 8 experts up to
- * T = 513, 60 experts below 256 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
- * split router GEMM (T >= 1024 with 33, 60, 64 and 100 experts: one and two expert tiles; rows of up to
+ * T = 513, 60 experts below 128 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
+ * split router GEMM (from T = 128 with more than 16 experts: 33, 60, 64 and 100; one and two expert tiles; rows of up to
  * 2048 elements, a router that bf16 holds exactly among them), and the
  * one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
  * Exit status 0 only if every check passed.
@@ -577,7 +577,7 @@ int main(int argc, char **argv) {
                     run_case(s, COLIBRI_EXPERT_SWIGLU, w, w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w,
                              routings[r][0], routings[r][1], T, 0, rng);
                 }
-    /* the router GEMM (T >= 1024, more than 16 experts) in the quick set too, for the sanitizers */
+    /* the router GEMM (T >= 128, more than 16 experts) in the quick set too, for the sanitizers */
     if (quick)
         for (int r = 1; r < 3; r++)
             run_case(many, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, r == 1 ? COLIBRI_DTYPE_F32 : COLIBRI_DTYPE_BF16,

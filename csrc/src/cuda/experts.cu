@@ -480,9 +480,11 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
  * 0.99x, T=4096 (8) 0.98x, DeepSeek T=4096 (3) 0.97x, Qwen T=4096 (2.3) 0.97x. */
 #define WS_MC_MAX_TILES 2
 
+#if COLIBRI_TMA
 static bool ws_multicast(const colibri_moe_config_t *c, int64_t assignments) {
     return !wg_streaming(c, assignments) && assignments <= (int64_t)WS_MC_MAX_TILES * WG_BM * c->num_experts;
 }
+#endif
 
 /* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
  * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */

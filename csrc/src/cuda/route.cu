@@ -354,9 +354,13 @@ __global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
  * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). The gemv's split (route_gemv_plan)
  * leaves all of these gemv shapes whole; the GEMM's T = 256 was measured while the top-k kernel still
  * loaded the 16 partials one after another. Re-timed after the split gemv (NOTES.md, v11 F): the gemv
- * up to T = 8191 made whole forwards 0.97x at T = 1024 and 0.94-0.95x at T = 4096 (DeepSeek, Qwen). */
+ * up to T = 8191 made whole forwards 0.97x at T = 1024 and 0.94-0.95x at T = 4096 (DeepSeek, Qwen).
+ * Re-timed after the GEMM went to tensor cores for bf16 tokens (route_mma_kernel, NOTES.md v14 C, v17 E):
+ * from T = 128, whole forwards 1.02x at T = 256 (DeepSeek-V2-Lite 0.305 against 0.309 ms, Qwen1.5-MoE
+ * 0.282 against 0.288: the unsplit gemv took 9.7-11.5 us of the routing there), 1.00x at T = 128; from
+ * T = 16, 0.99-1.01x at T = 16 and 64, so the gemv keeps those. */
 #ifndef ROUTE_GEMM_MIN_T
-#define ROUTE_GEMM_MIN_T 1024
+#define ROUTE_GEMM_MIN_T 128
 #endif
 #define ROUTE_GEMM_MIN_E 17
 #define ROUTE_GEMM_BLOCKS_PER_SM 2 /* blocks per SM the split aims at (the kernel's launch bound) */
