@@ -11,7 +11,8 @@
  * experts.cu: a few blocks per SM, so that a block's setup is paid per SM slot rather than per 8
  * rows); blockIdx.x picks the positions one of three ways:
  *  - direct mode (ids given, few assignments): the blockIdx.x-th distinct expert among the ids, and
- *    the assignments that chose it, found by the block itself: no permute kernel runs, and
+ *    the assignments that chose it, found by the block itself (by each of its warps where there are at
+ *    most 32 ids: gemv_direct_setup_warp): no permute kernel runs, and
  *    positions are assignment indices t*k+j (the first projection also keeps the expert counters and
  *    the bad-id flag that permute.cu keeps otherwise);
  *  - a tile (expert, positions [begin, end)) from the table permute.cu wrote;
