@@ -205,20 +205,15 @@ __device__ __forceinline__ void wg_item(int it, int tiles, int nblocks, int &til
     nb = group * WG_GROUP_N + r % width;
 }
 
-/* Item `it`'s products into acc, for both kernels below: finds the item's tile (returned) and column block
- * (nb), zeroes acc and runs this warpgroup's k loop, with products or, where its 64 rows of the tile are
- * all past the tile's end, without (wgmma_kernel's k_loop says why). */
+/* An item's products into acc, for both kernels below: zeroes acc and runs this warpgroup's k loop, with
+ * products or, where its 64 rows of the item's tile are all past the tile's end (every row, for the empty
+ * tile of wgmma_ws_kernel's MC rank 1 with none), without (wgmma_kernel's k_loop says why). */
 template <class KLoop>
-__device__ __forceinline__ ExpertTile wg_products(const ProjArgs &a, int it, int tiles, int nblocks, int wg,
-                                                  float (&acc)[128], int &nb, KLoop &k_loop) {
-    int ti;
-    wg_item(it, tiles, nblocks, ti, nb);
-    const ExpertTile tile = a.tiles[ti];
+__device__ __forceinline__ void wg_products(const ExpertTile &tile, int wg, float (&acc)[128], KLoop &k_loop) {
 #pragma unroll
     for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-    if (wg == 0 || tile.end - tile.begin > WG_BM / 2) k_loop(std::true_type{});
+    if (tile.end - tile.begin > wg * (WG_BM / 2)) k_loop(std::true_type{});
     else k_loop(std::false_type{});
-    return tile;
 }
 
 /* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
@@ -339,8 +334,10 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         }
     };
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
-        int nb;
-        const ExpertTile tile = wg_products(a, it, tiles, nblocks, wg, acc, nb, k_loop);
+        int ti, nb;
+        wg_item(it, tiles, nblocks, ti, nb);
+        const ExpertTile tile = a.tiles[ti];
+        wg_products(tile, wg, acc, k_loop);
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 
         /* Each warp writes its 16 rows x 128 columns to its part of the staging buffer and the bulk-copy
@@ -765,10 +762,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         bool share;
         unit(it, ti, nb, share);
         const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0};
-#pragma unroll
-        for (int i = 0; i < 128; i++) acc[i] = 0.0f;
-        if (tile.end - tile.begin > wg * (WG_BM / 2)) k_loop(std::true_type{});
-        else k_loop(std::false_type{});
+        wg_products(tile, wg, acc, k_loop);
         if (ti < 0) continue; /* MC rank 1 with no tile: the ring kept in step, nothing to store */
 
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
