@@ -185,20 +185,32 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+/* Every kernel launch of the backend: on the caller's stream with programmatic dependent launch allowed
+ * (pdl_begin), and with `cluster` > 1 in clusters of that many blocks along x (the grid a multiple). */
 template <class... Params, class... Args>
-static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                                  Args... args) {
-    cudaLaunchAttribute attr[1];
+static cudaError_t colibri_launch_clusters(void (*kernel)(Params...), unsigned cluster, dim3 grid, dim3 block,
+                                           size_t smem, cudaStream_t stream, Args... args) {
+    cudaLaunchAttribute attr[2];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
+    attr[1].id = cudaLaunchAttributeClusterDimension;
+    attr[1].val.clusterDim.x = cluster;
+    attr[1].val.clusterDim.y = 1;
+    attr[1].val.clusterDim.z = 1;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = cluster > 1 ? 2 : 1;
     return cudaLaunchKernelEx(&cfg, kernel, ((Params)args)...);
+}
+
+template <class... Params, class... Args>
+static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  Args... args) {
+    return colibri_launch_clusters(kernel, 1, grid, block, smem, stream, args...);
 }
 
 /* route.cu */

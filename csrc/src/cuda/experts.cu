@@ -321,6 +321,14 @@ template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k, bool lon
     return mma16_occupancy<GLU, 32, BN>();
 }
 
+#if COLIBRI_TMA
+/* Whether environment variable `name` is set to something other than "" or "0" (the switches below). */
+static bool env_on(const char *name) {
+    const char *v = getenv(name);
+    return v && v[0] && strcmp(v, "0") != 0;
+}
+#endif
+
 /* The BK=64 kernels take up to 3 * 288 rows * 128 bytes of shared memory per block: more than devices
  * with about 100 KB per block (sm_86, sm_89) allow; those keep BK=32 everywhere. */
 colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
@@ -346,8 +354,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
 #if COLIBRI_TMA
         /* the warp-specialised kernel where the driver encodes tensor maps, else wgmma_kernel (also with
          * COLIBRI_CUDA_NO_WS=1: how the harness checks wgmma_kernel on an H100/H200) */
-        const char *no_ws = getenv("COLIBRI_CUDA_NO_WS");
-        b->tma_encode = no_ws && no_ws[0] && strcmp(no_ws, "0") != 0 ? NULL : ws_encode_fn();
+        b->tma_encode = env_on("COLIBRI_CUDA_NO_WS") ? NULL : ws_encode_fn();
         int clusters = -1;
         if (b->tma_encode && (wgmma_ws_setup_one<__nv_bfloat16, true>(&clusters) != cudaSuccess ||
                               wgmma_ws_setup_one<__nv_bfloat16, false>(&clusters) != cudaSuccess ||
@@ -357,8 +364,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
             b->tma_encode = NULL;
         }
         /* COLIBRI_CUDA_NO_MC=1: the tiles an expert shares stay on the one-block kernel (harness, timing) */
-        const char *no_mc = getenv("COLIBRI_CUDA_NO_MC");
-        b->ws_clusters = b->tma_encode && !(no_mc && no_mc[0] && strcmp(no_mc, "0") != 0) && clusters > 0 ? clusters : 0;
+        b->ws_clusters = b->tma_encode && !env_on("COLIBRI_CUDA_NO_MC") && clusters > 0 ? clusters : 0;
 #endif
     }
     for (int lk = 0; lk < 2; lk++) {

@@ -893,21 +893,8 @@ static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, in
     const int64_t nblocks = (a.n + COLS - 1) / COLS;
     if (clusters > 0) {
         const int64_t most = (slots + 1) / 2 * nblocks;
-        cudaLaunchAttribute attr[2];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        attr[1].id = cudaLaunchAttributeClusterDimension;
-        attr[1].val.clusterDim.x = 2;
-        attr[1].val.clusterDim.y = 1;
-        attr[1].val.clusterDim.z = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((unsigned)(2 * (most < clusters ? most : clusters)));
-        cfg.blockDim = dim3(WS_THREADS);
-        cfg.dynamicSmemBytes = WG_SMEM_BYTES;
-        cfg.stream = stream;
-        cfg.attrs = attr;
-        cfg.numAttrs = 2;
-        return cudaLaunchKernelEx(&cfg, wgmma_ws_kernel<T, GLU, true>, map, a);
+        return colibri_launch_clusters(wgmma_ws_kernel<T, GLU, true>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
+                                       dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
     }
     const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
