@@ -192,13 +192,18 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             out = torch.empty_like(x)
 
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)
-            graphs, errs = {}, {}
+            graphs, errs, outs = {}, {}, {}
             for label, l in others + [("", lib)]:  # every build's graph, each checked right after its capture
                 graphs[label] = capture(l, ctxs[label], T, x, out)
                 errs[label] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                if others:
+                    outs[label] = out.clone()
             labels = [""] + [label for label, _ in others]
             times = dict(zip(labels, timer.interleaved([graphs[label].replay for label in labels])))
-            compare = {label: dict(colibri_ms=times[label], rel_err_vs_eager=errs[label]) for label, _ in others}
+            # same_bits: whether that build's output is bit for bit this build's (a change that should not
+            # alter the arithmetic, such as an order of work, shows it here)
+            compare = {label: dict(colibri_ms=times[label], rel_err_vs_eager=errs[label],
+                                   same_bits=bool(torch.equal(outs[label], outs[""]))) for label, _ in others}
             rel_err, t_col = errs[""], times[""]
             t_eager = timer(lambda: hf_eager(x, router, w1, w3, w2, k, renorm))
             try:
@@ -221,8 +226,8 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {row['speedup_vs_eager']:7.2f} "
                   f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}"
                   + "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build x{c['colibri_ms'] / t_col:.2f}"
-                            for lb, c in compare.items()), flush=True)
-            del graphs
+                            f"{'' if c['same_bits'] else ', other bits'}" for lb, c in compare.items()), flush=True)
+            del graphs, outs
     finally:
         for label, l in [("", lib)] + others:
             if label in ctxs:
