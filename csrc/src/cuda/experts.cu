@@ -492,6 +492,16 @@ static bool ws_multicast(const colibri_moe_config_t *c, int64_t assignments) {
 }
 #endif
 
+bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
+#if COLIBRI_TMA
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    return tile_m == WG_BM && b->ws_clusters > 0 && ws_multicast(&ctx->cfg, num_tokens * ctx->cfg.top_k);
+#else
+    (void)ctx, (void)num_tokens, (void)tile_m;
+    return false;
+#endif
+}
+
 /* The mma_kernel variant of a projection of n outputs and k-element rows over tile_m-row tiles: the
  * BK=128 kernel (long_k, see mma_bk) and, for 16-row tiles, the narrow one. */
 static void mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, int32_t tile_m,

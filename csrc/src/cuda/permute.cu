@@ -6,7 +6,8 @@
  * shared-memory integer atomics (the counts do not depend on the order), a scan into expert offsets and
  * a tile table, then a stable scatter in which each warp ranks its 32 assignments with __match_any_sync
  * and takes its base from a per-warp, per-expert count. Ids out of range get no position (inv = -1) and
- * raise bad_id.
+ * raise bad_id. Where the expert GEMMs run on the cluster kernel, the tile table takes the order of its pairs
+ * (permute_scan).
  * More assignments (prefill): the same steps spread over chunks of PERMUTE_MULTI_ROUNDS * threads
  * assignments, one block each, in two launches. Count: each block writes its chunk's histogram and adds
  * it to the forward's per-expert counts (integer atomics, order-free); the last block to finish (a
@@ -31,12 +32,13 @@ __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, Per
 }
 
 /* Multi-block pass 1: chunk histograms; the last block writes offsets and tiles (file header).
- * Shared memory: E + 32 ints. */
+ * Shared memory: permute_count_smem_bytes. */
 __global__ void permute_count_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o, int32_t *hist,
                                      int32_t *counts, unsigned *done) {
     pdl_begin();
     extern __shared__ int smem[];
-    int *count = smem, *warp_sums = smem + E; /* [E], [32]; count then holds the forward's totals */
+    /* [E], [32], [(E + 1) / 2]; count then holds the forward's totals */
+    int *count = smem, *warp_sums = smem + E, *pair_ends = warp_sums + 32;
     __shared__ bool s_last;
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
@@ -73,7 +75,7 @@ __global__ void permute_count_kernel(const int32_t *ids, int n, int E, int tile_
     }
     if (threadIdx.x == 0) *done = 0;
     __syncthreads();
-    permute_scan(count, E, tile_m, o, NULL, warp_sums);
+    permute_scan(count, E, tile_m, o, NULL, warp_sums, pair_ends);
 }
 
 /* Multi-block pass 2: block b's stable scatter of its chunk. Shared memory: permute_multi_smem_bytes. */
@@ -130,24 +132,29 @@ colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts)
                                  "the device allows %d", num_experts, multi, optin);
     COLIBRI_CUDA_CHECK(cudaFuncSetAttribute(permute_scatter_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)multi));
+    /* the count kernel's fewer ints fit wherever the scatter's do */
+    COLIBRI_CUDA_CHECK(cudaFuncSetAttribute(permute_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)permute_count_smem_bytes(num_experts)));
     return COLIBRI_OK;
 }
 
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             const int32_t *topk_ids, int32_t tile_m, cudaStream_t stream) {
+                                             const int32_t *topk_ids, int32_t tile_m, bool pairs, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int n = (int)(num_tokens * ctx->cfg.top_k), E = ctx->cfg.num_experts;
+    PermuteArgs o = permute_args(b);
+    o.pairs = pairs;
     if (n < PERMUTE_MULTI_MIN) {
         COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(b->permute_threads), b->permute_smem, stream,
-                                          topk_ids, n, E, tile_m, permute_args(b)));
+                                          topk_ids, n, E, tile_m, o));
         return COLIBRI_OK;
     }
     const int threads = permute_multi_threads(E), blocks = permute_multi_blocks(n, E);
     COLIBRI_CUDA_CHECK(colibri_launch(permute_count_kernel, dim3((unsigned)blocks), dim3((unsigned)threads),
-                                      sizeof(int) * ((size_t)E + 32), stream, topk_ids, n, E, tile_m,
-                                      permute_args(b), b->permute_hist, b->permute_counts, b->permute_done));
+                                      permute_count_smem_bytes(E), stream, topk_ids, n, E, tile_m,
+                                      o, b->permute_hist, b->permute_counts, b->permute_done));
     COLIBRI_CUDA_CHECK(colibri_launch(permute_scatter_kernel, dim3((unsigned)blocks), dim3((unsigned)threads),
-                                      permute_multi_smem_bytes(E), stream, topk_ids, n, E, permute_args(b),
+                                      permute_multi_smem_bytes(E), stream, topk_ids, n, E, o,
                                       (const int32_t *)b->permute_hist));
     return COLIBRI_OK;
 }

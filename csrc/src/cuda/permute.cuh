@@ -14,37 +14,84 @@ struct PermuteArgs {
     int32_t *num_tiles;
     unsigned long long *totals;
     int32_t *bad_id;
+    int pairs; /* the tile table in MC pair order (permute_scan) */
 };
 
 #define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk (one-block permutation) */
 
 /* Expert offsets, the tile table and the per-expert totals from count[E] (shared memory), by every thread
- * of one block; cursor[e] (if not NULL) gets offsets[e]. warp_sums: 32 ints of shared memory. */
+ * of one block; cursor[e] (if not NULL) gets offsets[e]. warp_sums: 32 ints of shared memory.
+ * The tile table lists the tiles in expert order. With o.pairs it is in the order of the cluster kernel's
+ * pairs (wgmma_ws_kernel with MC takes tiles 2q and 2q + 1 together and shares their weight block only where
+ * both are of one expert), so that every pair but those of the partial tiles is of one expert: taking the
+ * experts with an odd number of tiles two by two (a, b), b's partial (last) tile moves to just after a's
+ * (the experts between them, of even counts, and b's other tiles one place on); an odd one out keeps its
+ * place but for its partial tile, which goes to the end of the table (the experts after it one place back).
+ * In expert order an expert with an odd number of tiles paired its last tile with the next expert's first,
+ * which shares nothing: 5 of Mixtral's 10 pairs at T = 1024 (NOTES.md v18 A). The tiles stay near their
+ * experts' places in expert order, so the pairs that share nothing stay spread over the table (all at its
+ * end, they cost 3% at Mixtral T = 512). The order of the tiles does not change an output: each tile writes
+ * its own rows. pair_ends: (E + 1) / 2 ints of shared memory, only with o.pairs. */
 __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m, const PermuteArgs &o, int *cursor,
-                                             int *warp_sums) {
+                                             int *warp_sums, int *pair_ends) {
     /* each thread scans a contiguous run of experts */
     const int per = (E + blockDim.x - 1) / blockDim.x;
     const int e0 = min((int)threadIdx.x * per, E), e1 = min(e0 + per, E);
-    int my_count = 0, my_tiles = 0;
+    int my_count = 0, my_tiles = 0, my_odd = 0;
     for (int e = e0; e < e1; e++) {
+        const int t = (count[e] + tile_m - 1) / tile_m;
         my_count += count[e];
-        my_tiles += (count[e] + tile_m - 1) / tile_m;
+        my_tiles += t;
+        my_odd += t & 1;
     }
-    int total_count, total_tiles;
+    int total_count, total_tiles, odd_total = 0;
     int pos = colibri_block_exclusive_scan(my_count, warp_sums, &total_count);
     int tile = colibri_block_exclusive_scan(my_tiles, warp_sums, &total_tiles);
+    /* pair order (a block-uniform branch: the scan synchronises): how many experts of odd tile counts come
+     * before this thread's, and where each first of a pair ends, for the second */
+    int odd_rank = 0;
+    if (o.pairs) {
+        odd_rank = colibri_block_exclusive_scan(my_odd, warp_sums, &odd_total);
+        for (int e = e0, t0 = tile, j = odd_rank; e < e1; e++) {
+            const int t = (count[e] + tile_m - 1) / tile_m;
+            if ((t & 1) && !(j & 1) && j + 1 < odd_total) pair_ends[j >> 1] = t0 + t;
+            j += t & 1;
+            t0 += t;
+        }
+        __syncthreads();
+    }
     for (int e = e0; e < e1; e++) {
-        const int c = count[e];
+        const int c = count[e], t = (c + tile_m - 1) / tile_m;
         o.offsets[e] = pos;
         if (cursor) cursor[e] = pos;
         o.totals[e] += (unsigned long long)c;
-        for (int b = 0; b < c; b += tile_m) o.tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        /* table index of this expert's tile i < t - 1: first + i; of its last tile: last */
+        int first = tile, last = tile + t - 1;
+        if (o.pairs) {
+            const bool after_odd_one = (odd_total & 1) && odd_rank == odd_total - (t & 1);
+            if (!(t & 1)) {
+                first += after_odd_one ? -1 : odd_rank & 1; /* past the odd one out; inside a pair */
+                last = first + t - 1;
+            } else if (odd_rank & 1) {
+                first++; /* the second of a pair: its partial tile after the first's */
+                last = pair_ends[odd_rank >> 1];
+            } else if (after_odd_one) {
+                last = total_tiles - 1; /* the odd one out */
+            }
+            odd_rank += t & 1;
+        }
+        for (int i = 0; i < t; i++) {
+            const int b = i * tile_m;
+            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        }
+        tile += t;
         pos += c;
     }
     if (threadIdx.x == 0) {
         o.offsets[E] = total_count;
         *o.num_tiles = total_tiles;
     }
+    if (o.pairs) __syncthreads(); /* pair_ends read: the caller may reuse its memory */
 }
 
 /* Stable scatter of the assignments [c0, c0 + blockDim.x * ROUNDS) that are below n, by every thread of
@@ -121,7 +168,7 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     }
     if (bad) *o.bad_id = 1;
     __syncthreads();
-    permute_scan(count, E, tile_m, o, cursor, warp_sums);
+    permute_scan(count, E, tile_m, o, cursor, warp_sums, warp_base); /* warp_base: free until the scatter */
     for (int c0 = 0; c0 < n; c0 += chunk) permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids);
 }
 
@@ -140,6 +187,7 @@ static inline int permute_multi_blocks(int64_t n, int E) {
     const int64_t chunk = (int64_t)permute_multi_threads(E) * PERMUTE_MULTI_ROUNDS;
     return (int)((n + chunk - 1) / chunk);
 }
+static inline size_t permute_count_smem_bytes(int E) { return sizeof(int) * ((size_t)E + 32 + (E + 1) / 2); }
 static inline size_t permute_multi_smem_bytes(int E) {
     const int threads = permute_multi_threads(E);
     return sizeof(int) * ((size_t)E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_MULTI_ROUNDS);
@@ -154,6 +202,7 @@ static inline PermuteArgs permute_args(const CudaBackend *b) {
     o.num_tiles = b->num_tiles;
     o.totals = b->totals;
     o.bad_id = b->bad_id;
+    o.pairs = 0;
     return o;
 }
 
