@@ -2,7 +2,7 @@
  * permute.cu — groups the T*k (token, slot) assignments by expert on the device, deterministically:
  * within an expert, assignments keep their order t*k+j, so every run produces the same layout.
  *
- * Up to PERMUTE_MULTI_MIN assignments one block does it all (permute.cuh): a histogram with
+ * Up to PERMUTE_WARP_MAX assignments one warp does it all, up to PERMUTE_MULTI_MIN one block (permute.cuh): a histogram with
  * shared-memory integer atomics (the counts do not depend on the order), a scan into expert offsets and
  * a tile table, then a stable scatter in which each warp ranks its 32 assignments with __match_any_sync
  * and takes its base from a per-warp, per-expert count. Ids out of range get no position (inv = -1) and
@@ -28,6 +28,10 @@
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
     pdl_begin();
     extern __shared__ int smem[];
+    if (permute_by_warp(n, E, o)) {
+        if (threadIdx.x < 32) permute_warp(ids, n, E, tile_m, o, smem);
+        return;
+    }
     permute_block(ids, n, E, tile_m, o, smem);
 }
 
@@ -144,6 +148,11 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
     const int n = (int)(num_tokens * ctx->cfg.top_k), E = ctx->cfg.num_experts;
     PermuteArgs o = permute_args(b);
     o.pairs = pairs;
+    if (permute_by_warp(n, E, o)) {
+        COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(32), sizeof(int) * 2 * (size_t)E, stream,
+                                          topk_ids, n, E, tile_m, o));
+        return COLIBRI_OK;
+    }
     if (n < PERMUTE_MULTI_MIN) {
         COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(b->permute_threads), b->permute_smem, stream,
                                           topk_ids, n, E, tile_m, o));

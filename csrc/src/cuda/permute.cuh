@@ -172,6 +172,97 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     for (int c0 = 0; c0 < n; c0 += chunk) permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids);
 }
 
+/* At most this many assignments (T <= 8 in the route kernel's last block; the permute kernel's small
+ * batches) one warp permutes alone (permute_warp). */
+#define PERMUTE_WARP_MAX 128
+
+/* The whole permutation of n <= PERMUTE_WARP_MAX assignments by one warp: permute_block's steps with warp
+ * synchronisation instead of block barriers, and no second read of the ids (lane l keeps assignments l,
+ * l + 32, ... in registers). The same offsets, positions and tile table (in expert order). Measured on the
+ * H200 (NOTES.md v18 B): at T=16 of DeepSeek-V2-Lite / Qwen1.5-MoE the permute kernel ended 4.1 / 2.2 us
+ * sooner, at T=4 the route kernel 1.5 / 1.2 us sooner, 1.01-1.02x on those rows; a version that ranked
+ * every assignment against every other by shuffles, with no shared memory (csrc/dev/cuda/permute_warp.patch),
+ * ended 19-33 us later at T=16 and 8 us later at T=4. smem: 2 E ints. */
+__device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
+                                             int *smem) {
+    constexpr int R = PERMUTE_WARP_MAX / 32;
+    const int lane = threadIdx.x & 31;
+    int *count = smem, *cursor = smem + E; /* [E], [E] */
+    for (int e = lane; e < E; e += 32) count[e] = 0;
+    __syncwarp();
+    int key[R]; /* the expert of assignment r * 32 + lane, -1 for none or a bad id */
+    bool bad = false;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const int i = r * 32 + lane;
+        const int e = i < n ? ids[i] : -1;
+        key[r] = (unsigned)e < (unsigned)E ? e : -1;
+        bad |= i < n && key[r] < 0;
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        if (key[r] >= 0) atomicAdd(&count[key[r]], 1);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) *o.bad_id = 1;
+    __syncwarp();
+    /* lane l scans a contiguous run of experts: offsets, tiles, totals */
+    const int per = (E + 31) >> 5, e0 = min(lane * per, E), e1 = min(e0 + per, E);
+    int my_count = 0, my_tiles = 0;
+    for (int e = e0; e < e1; e++) {
+        my_count += count[e];
+        my_tiles += (count[e] + tile_m - 1) / tile_m;
+    }
+    int pos = my_count, tile = my_tiles;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int p = __shfl_up_sync(0xffffffffu, pos, off), t = __shfl_up_sync(0xffffffffu, tile, off);
+        if (lane >= off) {
+            pos += p;
+            tile += t;
+        }
+    }
+    if (lane == 31) {
+        o.offsets[E] = pos;
+        *o.num_tiles = tile;
+    }
+    pos -= my_count;
+    tile -= my_tiles;
+    for (int e = e0; e < e1; e++) {
+        const int c = count[e];
+        o.offsets[e] = pos;
+        cursor[e] = pos;
+        for (int b = 0; b < c; b += tile_m) o.tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        pos += c;
+    }
+    __syncwarp();
+    /* stable scatter: within an expert, assignments in their order */
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if (r * 32 >= n) break;
+        const int e = key[r], i = r * 32 + lane;
+        const unsigned same = __match_any_sync(0xffffffffu, e);
+        if (e >= 0) {
+            const int p = cursor[e] + __popc(same & ((1u << lane) - 1u));
+            o.perm[p] = i;
+            o.inv[i] = p;
+        } else if (i < n) {
+            o.inv[i] = -1;
+        }
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(same) - 1) cursor[e] += __popc(same);
+        __syncwarp();
+    }
+    /* the per-expert totals last: their loads are then off the way of the stores above */
+    for (int e = e0; e < e1; e++)
+        if (count[e]) o.totals[e] += (unsigned long long)count[e];
+}
+
+/* Whether permute_warp takes n assignments of E experts: not in the cluster kernel's pair order, which only
+ * permute_scan lays out (it runs from 128 x E assignments on: with a single expert that few), and where its
+ * 2 E ints fit the default 48 KB of shared memory. */
+__host__ __device__ inline bool permute_by_warp(int n, int E, const PermuteArgs &o) {
+    return n <= PERMUTE_WARP_MAX && !o.pairs && 2 * E * (int)sizeof(int) <= 48 * 1024;
+}
+
 static inline size_t permute_smem_bytes(int threads, int E) {
     return sizeof(int) * ((size_t)2 * E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_ROUNDS + 32);
 }

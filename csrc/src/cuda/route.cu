@@ -649,7 +649,7 @@ static int launch_route_gemm(const colibri_moe_context_t *ctx, int64_t T, colibr
  * consecutive elements per thread and step, all steps of a thread in flight together). Fixed reduction
  * order: the same bits every run. Then, if p.ids, the last block to finish picks every token's top-k
  * (warp t takes token t), resets the counter for the next launch and, if tile_m > 0, runs the permutation
- * (dynamic shared memory: permute_smem_bytes(256, E)). */
+ * (by warp 0 up to PERMUTE_WARP_MAX assignments, else by the block; dynamic shared memory: route_small_smem). */
 template <class TX, bool VEC>
 __global__ void __launch_bounds__(256) route_small_kernel(const float *router, const TX *x, int T, int H,
                                                           float *logits, TopkArgs p, unsigned *done, int tile_m,
@@ -711,7 +711,11 @@ __global__ void __launch_bounds__(256) route_small_kernel(const float *router, c
     if (tile_m <= 0) return;
     extern __shared__ int permute_smem[];
     __syncthreads(); /* the ids the warps above wrote, visible to the whole block */
-    permute_block(p.ids, T * p.k, p.E, tile_m, po, permute_smem);
+    if (permute_by_warp(T * p.k, p.E, po)) {
+        if (warp == 0) permute_warp(p.ids, T * p.k, p.E, tile_m, po, permute_smem);
+    } else {
+        permute_block(p.ids, T * p.k, p.E, tile_m, po, permute_smem);
+    }
 }
 
 static TopkArgs topk_args(const colibri_moe_config_t *c, const float *bias, int32_t *ids, float *wts) {
@@ -750,6 +754,12 @@ static int launch_logits(const colibri_moe_context_t *ctx, int64_t T, colibri_dt
     return *err == cudaSuccess ? g.splits : 0;
 }
 
+/* The dynamic shared memory of route_small_kernel's permutation of T tokens' assignments. */
+static size_t route_small_smem(int64_t T, const colibri_moe_config_t *c, const PermuteArgs &po) {
+    return permute_by_warp((int)(T * c->top_k), c->num_experts, po) ? sizeof(int) * 2 * (size_t)c->num_experts
+                                                                     : permute_smem_bytes(256, c->num_experts);
+}
+
 /* T <= GEMV_GROUP: logits, (ids non-NULL) top-k and (tile_m > 0) the permutation in one launch. */
 static cudaError_t launch_route_small(const colibri_moe_context_t *ctx, int64_t T, colibri_dtype_t act_dtype,
                                       const void *input, int32_t *ids, float *wts, int tile_m, cudaStream_t stream) {
@@ -757,7 +767,7 @@ static cudaError_t launch_route_small(const colibri_moe_context_t *ctx, int64_t 
     const colibri_moe_config_t *c = &ctx->cfg;
     const TopkArgs p = topk_args(c, b->router_bias, ids, wts);
     const PermuteArgs po = permute_args(b);
-    const size_t smem = tile_m > 0 ? permute_smem_bytes(256, c->num_experts) : 0;
+    const size_t smem = tile_m > 0 ? route_small_smem(T, c, po) : 0;
     const bool vec = c->hidden_size % 4 == 0 && colibri_aligned16(input);
     cudaError_t err = cudaSuccess;
     colibri_dispatch_dtype(act_dtype, [&](auto tx) {
@@ -785,7 +795,7 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
     int splits = 1;
     /* the permutation rides along where its shared memory fits the default 48 KB */
     const bool fuse = small && !c->routing_fn && permute_tile_m > 0 &&
-                      permute_smem_bytes(256, c->num_experts) <= 48 * 1024;
+                      route_small_smem(num_tokens, c, permute_args(b)) <= 48 * 1024;
     if (permuted) *permuted = fuse;
     if (small) {
         COLIBRI_CUDA_CHECK(launch_route_small(ctx, num_tokens, act_dtype, input, c->routing_fn ? NULL : topk_ids,
