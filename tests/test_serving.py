@@ -331,7 +331,15 @@ def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rn
     for tokens in (3, 5):
         inputs, expected = good_request(layer, rng, tokens)
         assert_close(grpc_infer(server.grpc_url, inputs), expected)
-    side = compare.server_side(before, compare.model_stats(host, MODEL, server.metrics_url))
+    # A backend reports a request's statistics after it has sent the response (then releases the
+    # request), so the client can hold both answers before the second is counted: one run read 1
+    # request of 2 right after. Wait for the count (at most 10 s).
+    deadline = time.monotonic() + 10
+    while True:
+        side = compare.server_side(before, compare.model_stats(host, MODEL, server.metrics_url))
+        if side["requests"] >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert side["requests"] == 2 and 1 <= side["executions"] <= 2, side
     assert side["requests_per_execution"] == pytest.approx(2 / side["executions"])
     assert side["compute_infer_ms"] > 0 and all(side[f"{s}_ms"] >= 0 for s in compare.STAGES), side
