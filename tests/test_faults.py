@@ -171,7 +171,10 @@ def test_stub_killed_under_load_is_recovered_by_the_launcher(weights, tmp_path):
     never restarts it: every request then fails with INTERNAL "Stub process ... is not healthy" while
     /v2/health/ready still says 200. The launcher's watchdog (default settings: a one-token probe
     every 5 s, 3 failures in a row) sees it, restarts tritonserver on the same ports, and answers are
-    right again; the dead server's shared-memory region is removed."""
+    right again; the dead server's shared-memory region is removed. Once (a CI run) the backend threw
+    boost::interprocess::lock_exception instead, uncaught, and tritonserver aborted: most likely the kill
+    landed while the stub held the backend's shared-memory lock. The watchdog then restarts it on its
+    exit (right answers again after 2.8 s in that run)."""
     layer = colibri.MoELayer.from_file(weights)
     with serving(weights, tmp_path, probes=True) as server, Load(server.grpc_url, layer) as load:
         time.sleep(2)
@@ -189,8 +192,12 @@ def test_stub_killed_under_load_is_recovered_by_the_launcher(weights, tmp_path):
     print(f"\nstub killed under load: right answers again after {recovery:.2f} s; {summary}; "
           f"tritonserver {triton} -> {new_triton}, stub {stubs[0]} -> {new_stubs}")
     assert not load.wrong, load.wrong
-    assert "Stub process 'colibri_moe_N_N' is not healthy" in summary, summary  # digits read N
-    assert "liveness probe 3/3 failed" in log and f"while tritonserver (pid {triton}) runs: restarting it" in log
+    if "Stub process 'colibri_moe_N_N' is not healthy" in summary:  # digits read N
+        assert "liveness probe 3/3 failed" in log and f"while tritonserver (pid {triton}) runs: restarting it" in log
+    else:  # the abort: requests failed only while no server listened
+        assert "boost::interprocess::lock_exception" in log, summary
+        assert f"tritonserver (pid {triton}) exited with status -6 unbidden: restarting it" in log, summary
+        assert "UNAVAILABLE" in summary, summary
     assert new_triton != triton and new_stubs and new_stubs != stubs
     assert log.count(f"from {weights}") == 2, "model.py initialize must have run twice"
     assert not any(os.path.exists(region) for region in regions), f"{regions} left in /dev/shm"
