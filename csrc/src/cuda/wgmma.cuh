@@ -527,8 +527,9 @@ __device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k
  * tile 2q + r; rank 1 has none past the last tile) for one column block. Where both tiles are of one
  * expert (every pair but those of experts' partial tiles, in permute_scan's pair order) their weight block
  * is shared: each rank loads half of every stage's 256 weight rows by a TMA multicast into both blocks
- * (L2 -> SM traffic of the weights halved: NOTES.md v9 B, C; v15 B); else each loads its own. Either way each block's "empty" barriers count the consumer warps of both, so the
- * two run their rings in step, and rank 0 takes the units from the counter and hands them to rank 1.
+ * (L2 -> SM traffic of the weights halved: NOTES.md v9 B, C; v15 B); else each loads its own. Either
+ * way each block's "empty" barriers count the consumer warps of both, so the two run their rings in step,
+ * and rank 0 takes the units from the counter and hands them to rank 1.
  * experts.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
  * with more, whose tiles share weight blocks in L2 well enough on one block each: NOTES.md v17 B). */
 template <class T, bool GLU, bool MC>
