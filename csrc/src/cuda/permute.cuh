@@ -94,6 +94,23 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
     if (o.pairs) __syncthreads(); /* pair_ends read: the caller may reuse its memory */
 }
 
+/* One round of a warp's stable scatter: lane l's assignment i of expert e (-1: none, or a bad id) goes to
+ * its expert's next free position base[e] after those of the lower lanes of the same expert; base[e]
+ * (shared memory) then advances past the round's. */
+__device__ __forceinline__ void permute_place(int e, int i, int n, int *base, const PermuteArgs &o, int lane) {
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0) {
+        const int p = base[e] + __popc(same & ((1u << lane) - 1u));
+        o.perm[p] = i;
+        o.inv[i] = p;
+    } else if (i < n) {
+        o.inv[i] = -1;
+    }
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
+    __syncwarp();
+}
+
 /* Stable scatter of the assignments [c0, c0 + blockDim.x * ROUNDS) that are below n, by every thread of
  * one block: each warp ranks its 32 * ROUNDS assignments with __match_any_sync and takes its base from a
  * per-warp, per-expert count, so within an expert positions follow t*k+j. cursor[e] (shared memory) is
@@ -130,19 +147,8 @@ __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int 
     }
     __syncthreads();
     for (int r = 0; r < ROUNDS; r++) {
-        const int local = warp * 32 * ROUNDS + r * 32 + lane, i = c0 + local;
-        const int e = chunk_ids[local];
-        const unsigned same = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            const int p = base[e] + __popc(same & ((1u << lane) - 1u));
-            o.perm[p] = i;
-            o.inv[i] = p;
-        } else if (i < n) {
-            o.inv[i] = -1;
-        }
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
-        __syncwarp();
+        const int local = warp * 32 * ROUNDS + r * 32 + lane;
+        permute_place(chunk_ids[local], c0 + local, n, base, o, lane);
     }
     __syncthreads();
 }
@@ -238,18 +244,7 @@ __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, i
 #pragma unroll
     for (int r = 0; r < R; r++) {
         if (r * 32 >= n) break;
-        const int e = key[r], i = r * 32 + lane;
-        const unsigned same = __match_any_sync(0xffffffffu, e);
-        if (e >= 0) {
-            const int p = cursor[e] + __popc(same & ((1u << lane) - 1u));
-            o.perm[p] = i;
-            o.inv[i] = p;
-        } else if (i < n) {
-            o.inv[i] = -1;
-        }
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(same) - 1) cursor[e] += __popc(same);
-        __syncwarp();
+        permute_place(key[r], r * 32 + lane, n, cursor, o, lane);
     }
     /* the per-expert totals last: their loads are then off the way of the stores above */
     for (int e = e0; e < e1; e++)
