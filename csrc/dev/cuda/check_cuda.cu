@@ -12,7 +12,8 @@
  * against a float64 forward, the error normalised by max|reference| and bounded per dtype; outputs are
  * poisoned with NaN first and any non-finite output fails. Also: forward without ids is bitwise the
  * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
- * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace.
+ * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace, and
+ * forwards enqueued back to back on one stream bitwise equal to the same forwards one at a time.
  * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
  * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages (with 2 and with
  * 3 stages ahead: compute-bound and streaming tiles); for routing, the
@@ -424,14 +425,15 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     fflush(stdout);
 }
 
-/* Capture forward (routing inside) into a graph, replay it on new inputs, compare with eager. Also ids
- * out of range: flagged by take_device_error, skipped in the output, not counted. */
-static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T, std::mt19937_64 &rng) {
-    char name[160];
-    snprintf(name, sizeof name, "graph E=%d k=%d H=%d F=%d w=%s a=%s T=%d", s.E, s.k, s.H, s.F, dtype_name(wdt),
+/* The case "<what> E=.. k=.. H=.. F=.. w=.. a=.. T=.." (graph_and_bad_ids, back_to_back): its name, a SWIGLU
+ * layer of shape s, and a CUDA context of it with the built-in routing (softmax top-k, renormalised) that
+ * forward runs inside; NULL, and nothing made, where COLIBRI_CHECK_ONLY skips the case. */
+static colibri_moe_context_t *routed_case(const char *what, Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T,
+                                          std::mt19937_64 &rng, char (&name)[160], Layer &L) {
+    snprintf(name, sizeof name, "%s E=%d k=%d H=%d F=%d w=%s a=%s T=%d", what, s.E, s.k, s.H, s.F, dtype_name(wdt),
              dtype_name(adt), T);
-    if (case_skipped(name)) return;
-    Layer L = make_layer(s, COLIBRI_EXPERT_SWIGLU, wdt, rng);
+    if (case_skipped(name)) return nullptr;
+    L = make_layer(s, COLIBRI_EXPERT_SWIGLU, wdt, rng);
     colibri_moe_config_t cfg = {};
     cfg.expert_kind = COLIBRI_EXPERT_SWIGLU;
     cfg.weight_dtype = wdt;
@@ -445,6 +447,16 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     cfg.device = COLIBRI_DEVICE_CUDA;
     colibri_moe_context_t *ctx = nullptr;
     COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total, L.router.data(), nullptr));
+    return ctx;
+}
+
+/* Capture forward (routing inside) into a graph, replay it on new inputs, compare with eager. Also ids
+ * out of range: flagged by take_device_error, skipped in the output, not counted. */
+static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T, std::mt19937_64 &rng) {
+    char name[160];
+    Layer L;
+    colibri_moe_context_t *ctx = routed_case("graph", s, wdt, adt, T, rng, name, L);
+    if (!ctx) return;
     const size_t asz = colibri_dtype_size(adt), ibytes = (size_t)T * s.H * asz, obytes = (size_t)T * s.H * asz;
     std::vector<char> hin(ibytes), a(obytes), b(obytes);
     std::vector<double> x((size_t)T * s.H);
@@ -533,6 +545,54 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     printf("ok   %s\n", name);
     cudaFree(d_ids);
     cudaFree(d_wts);
+    cudaFree(in);
+    cudaFree(out);
+    CUDA_OK(cudaStreamDestroy(st));
+    colibri_moe_context_destroy(ctx);
+}
+
+/* Forwards of different tokens enqueued back to back on one stream (routing inside), against the same
+ * forwards run one at a time: bitwise equal. Under programmatic dependent launch the next forward's
+ * kernels start while this one's end, so whatever state a forward keeps in the workspace between its
+ * kernels (counters reset within the forward, flags) must be back at its start by then (NOTES.md v20 C). */
+static void back_to_back(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T, std::mt19937_64 &rng) {
+    char name[160];
+    Layer L;
+    colibri_moe_context_t *ctx = routed_case("burst", s, wdt, adt, T, rng, name, L);
+    if (!ctx) return;
+    constexpr int N = 8;
+    const size_t asz = colibri_dtype_size(adt), bytes = (size_t)T * s.H * asz;
+    std::vector<char> hin(N * bytes), one(N * bytes), burst(N * bytes);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (size_t i = 0; i < (size_t)N * T * s.H; i++) put(hin.data(), adt, i, nd(rng));
+    char *in, *out;
+    CUDA_OK(cudaMalloc(&in, N * bytes));
+    CUDA_OK(cudaMalloc(&out, N * bytes));
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CUDA_OK(cudaMemcpyAsync(in, hin.data(), N * bytes, cudaMemcpyHostToDevice, st));
+    CUDA_OK(cudaMemsetAsync(out, 0xff, N * bytes, st));
+    for (int i = 0; i < N; i++) {
+        COL_OK(colibri_moe_forward(ctx, T, adt, in + i * bytes, nullptr, nullptr, out + i * bytes, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+    }
+    CUDA_OK(cudaMemcpy(one.data(), out, N * bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemsetAsync(out, 0xff, N * bytes, st));
+    for (int i = 0; i < N; i++)
+        COL_OK(colibri_moe_forward(ctx, T, adt, in + i * bytes, nullptr, nullptr, out + i * bytes, st));
+    CUDA_OK(cudaStreamSynchronize(st));
+    CUDA_OK(cudaMemcpy(burst.data(), out, N * bytes, cudaMemcpyDeviceToHost));
+    COL_OK(colibri_moe_context_take_device_error(ctx));
+    /* the forwards must differ from each other for the check to mean anything */
+    int distinct = 0;
+    for (int i = 1; i < N; i++) distinct += memcmp(one.data() + i * bytes, one.data() + (i - 1) * bytes, bytes) != 0;
+    char what[240];
+    snprintf(what, sizeof what, "%s: %d forwards back to back bitwise equal to one at a time, finite, %d of %d "
+             "consecutive pairs distinct", name, N, distinct, N - 1);
+    expect(memcmp(one.data(), burst.data(), N * bytes) == 0 && all_finite(burst.data(), adt, (size_t)N * T * s.H) &&
+               distinct == N - 1,
+           what);
+    printf("ok   %s\n", name);
     cudaFree(in);
     cudaFree(out);
     CUDA_OK(cudaStreamDestroy(st));
@@ -641,6 +701,13 @@ int main(int argc, char **argv) {
     graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 1024 : 4096, rng);
     graph_and_bad_ids(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, quick ? 700 : 3000, rng);
     graph_and_bad_ids(tall, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 64, rng); /* the split gemv in a graph */
+    /* back to back: decode (direct mode, the down projection with the combine folded in: T * k <= 8,
+     * 16-byte rows), the scalar-x gemv (H = 1004), and T = 7 (tensor-core tiles, the route kernel's
+     * permutation) */
+    for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16})
+        for (int T : {1, 4, 7}) back_to_back(aligned, w, w, T, rng);
+    back_to_back(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, 1, rng);
+    for (int T : {1, 2}) back_to_back(tall_odd, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
     for (colibri_dtype_t w : dts)
