@@ -5,7 +5,7 @@ give the floor = max((bytes of the experts touched + activations) / copy BW, FLO
 Every time is the median of many CUDA-event timings of one call, with L2 flushed before each call
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 
-    python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30]
+    python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
 
 Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
@@ -79,11 +79,21 @@ def capture(lib, ctx, T, x, out):
 
 
 class Timer:
-    """Median of `reps` CUDA-event timings of fn(), each after an L2 flush."""
+    """Median of `reps` CUDA-event timings of fn(), each after an L2 flush: `zero` writes 512 MB (L2 is
+    left full of dirty lines, which the timed call's reads then write back to HBM beside its own
+    reads), `read` reads 512 MB (L2 left clean, as after layers that mostly read: NOTES.md v20)."""
 
-    def __init__(self, reps):
+    def __init__(self, reps, flush="zero"):
         self.reps = reps
-        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+        self.flush = torch.ones(512 << 20, dtype=torch.uint8, device="cuda")
+        self.flush_words = self.flush.view(torch.int32)
+        self.flush_mode = flush
+
+    def evict(self):
+        if self.flush_mode == "read":
+            torch.amax(self.flush_words)
+        else:
+            self.flush.zero_()
 
     def __call__(self, fn, warmup=3):
         return self.interleaved([fn], warmup)[0]
@@ -98,7 +108,7 @@ class Timer:
         times = [[] for _ in fns]
         for _ in range(self.reps):
             for fn, ts in zip(fns, times):
-                self.flush.zero_()
+                self.evict()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 fn()
@@ -242,11 +252,13 @@ def main():
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,4,16")
+    ap.add_argument("--flush", choices=("zero", "read"), default="zero",
+                    help="L2 flush before each timing: write 512 MB (default) or read it (clean L2)")
     ap.add_argument("--plot", default="", help="also draw the run into this PNG (needs matplotlib)")
     args = ap.parse_args()
     lib = load_lib(args.lib)
     others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
-    timer = Timer(args.reps)
+    timer = Timer(args.reps, args.flush)
     copy_bw, mm_rate = ceilings(timer)
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
     print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
@@ -259,7 +271,7 @@ def main():
                         tokens=[int(t) for t in args.tokens.split(",") if t])
             torch.cuda.empty_cache()
     run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate, reps=args.reps,
-               rows=rows)
+               flush=args.flush, rows=rows)
     with open(args.json, "w") as f:
         json.dump(run, f, indent=1)
     print("\n".join(gpu_report.summary(run)[0]))
