@@ -13,7 +13,7 @@
  *    on a second counter and exits.
  * C: likewise after B, spinning on B's done counter reaching B's grid size.
  * Per replay: flag seen - flag set and wait return - last exit (A -> B), and the same for B -> C; medians
- * over `reps` replays of a captured graph (the flags reset by C's last block), ns.
+ * over `reps` replays of a captured graph (the host zeroes the counters and stamps before each), ns.
  */
 #include "probe_check.h"
 #include <stdint.h>
@@ -23,7 +23,7 @@
 #include <vector>
 
 struct Sync {
-    unsigned count_a, flag_a, count_b, count_c;
+    unsigned count_a, flag_a, count_b;
     unsigned long long flag_set, last_exit_a, last_exit_b;       /* max over blocks */
     unsigned long long seen_b, wait_b, seen_c, wait_c;           /* min over blocks */
 };
@@ -91,15 +91,6 @@ __global__ void kernel_c(Sync *s, unsigned blocks_b) {
         atomicMin(&s->seen_c, now());
         asm volatile("griddepcontrol.wait;" ::: "memory");
         atomicMin(&s->wait_c, now());
-        __threadfence();
-        if (atomicAdd(&s->count_c, 1u) == gridDim.x - 1) {
-            /* every block of C is past both waits: reset for the next replay (the host reads the stamps
-             * after the replay, before resetting them itself) */
-            s->count_a = 0;
-            s->flag_a = 0;
-            s->count_b = 0;
-            s->count_c = 0;
-        }
     }
 }
 
