@@ -701,12 +701,24 @@ int main(int argc, char **argv) {
     graph_and_bad_ids(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, quick ? 1024 : 4096, rng);
     graph_and_bad_ids(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, quick ? 700 : 3000, rng);
     graph_and_bad_ids(tall, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 64, rng); /* the split gemv in a graph */
+    /* decode of 16-byte rows whose down projection's blocks take 3 output rows each (H = 1000 over 3 x 132
+     * blocks on an H200: the last block 1 row), inter rows of 5.5 16-byte steps per lane (F = 1400); at
+     * T = 2 with k = 4, 8 assignments whose experts the two tokens share (GIVEN piles half the tokens onto
+     * expert 0). fused.patch (NOTES.md v21) ran its one-kernel decode on these. */
+    const Shape decode = {8, 4, 1000, 1400};
+    for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16})
+        for (int r = 0; r < 2; r++)
+            for (int T : {1, 2}) {
+                if (quick && (w == COLIBRI_DTYPE_F16 || r)) continue;
+                run_case(decode, COLIBRI_EXPERT_SWIGLU, w, w, routings[r][0], routings[r][1], T, 0, rng);
+            }
     /* back to back: decode (direct mode, the down projection with the combine folded in: T * k <= 8,
      * 16-byte rows), the scalar-x gemv (H = 1004), and T = 7 (tensor-core tiles, the route kernel's
      * permutation) */
     for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16})
         for (int T : {1, 4, 7}) back_to_back(aligned, w, w, T, rng);
     back_to_back(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, 1, rng);
+    for (int T : {1, 2}) back_to_back(decode, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
     for (int T : {1, 2}) back_to_back(tall_odd, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
