@@ -60,20 +60,27 @@ def check(lib, status, what):
         raise RuntimeError(f"{what}: status {status}: {lib.colibri_last_error().decode()}")
 
 
-def capture(lib, ctx, T, x, out):
-    """A CUDA graph of one bf16 forward of x [T, H] into out, captured after a plain forward (which
-    does the first-call work) and replayed once; device errors raise."""
-    def call():
-        check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None, None, out.data_ptr(),
-                                           torch.cuda.current_stream().cuda_stream), "forward")
-
-    call()
+def graph_of(fn):
+    """A CUDA graph of fn(), captured after a plain call (which does the first-call work) and replayed once."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call()
+        fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def capture(lib, ctx, T, x, out, ids=None, weights=None):
+    """A CUDA graph of one bf16 forward of x [T, H] into out (the routing given by ids [T, k] int32 and
+    weights [T, k] fp32, else the layer's router); device errors raise."""
+    def call():
+        check(lib, lib.colibri_moe_forward(ctx, T, 2, x.data_ptr(), None if ids is None else ids.data_ptr(),
+                                           None if weights is None else weights.data_ptr(), out.data_ptr(),
+                                           torch.cuda.current_stream().cuda_stream), "forward")
+
+    graph = graph_of(call)
     check(lib, lib.colibri_moe_context_take_device_error(ctx), "device error")
     return graph
 

@@ -5,7 +5,7 @@
  *   (COLIBRI_CHECK_ONLY=text runs only the cases whose name contains it)
  *   (COLIBRI_CUDA_NO_WS=1, read by the library: the 128-row tiles on wgmma_kernel, not wgmma_ws_kernel)
  *
- * For every routing (given ids, softmax->top-k with and without renormalisation, top-k->softmax,
+ * For every routing (given ids, given ids with chosen rows per expert, softmax->top-k with and without renormalisation, top-k->softmax,
  * sigmoid+bias with a scaling factor, a custom routing_fn) x expert kind x weight dtype x activation
  * dtype x T, on fresh random inputs: colibri_moe_route against a float64 routing (ids compared only
  * where the reference's scores are clearly apart, weights there too), then forward with those ids
@@ -280,7 +280,7 @@ struct Dev {
     float *wts = nullptr;
 };
 
-enum { GIVEN = -1, CUSTOM = -2 };
+enum { GIVEN = -1, CUSTOM = -2, COUNTS = -3 /* given ids with these rows per expert (run_case's per_expert) */ };
 
 struct Worst {
     double err = 0, ratio = 0;
@@ -288,7 +288,7 @@ struct Worst {
 static Worst worst[3][3];
 
 static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, colibri_dtype_t adt, int routing,
-                     int renorm, int T, int workspace, std::mt19937_64 &rng) {
+                     int renorm, int T, int workspace, std::mt19937_64 &rng, const std::vector<int> *per_expert = nullptr) {
     char name[200];
     snprintf(name, sizeof name, "E=%d k=%d H=%d F=%d %s w=%s a=%s routing=%d renorm=%d T=%d ws=%d", s.E, s.k, s.H, s.F,
              kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", dtype_name(wdt), dtype_name(adt), routing, renorm, T,
@@ -311,9 +311,9 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     cfg.device = COLIBRI_DEVICE_CUDA;
     if (routing == CUSTOM) cfg.routing_fn = simple_routing_fn;
     colibri_moe_context_t *ctx = nullptr;
+    const bool given = routing == GIVEN || routing == COUNTS;
     COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total,
-                                    routing == GIVEN ? nullptr : L.router.data(),
-                                    L.bias.data()));
+                                    given ? nullptr : L.router.data(), L.bias.data()));
 
     const size_t asz = colibri_dtype_size(adt);
     std::vector<char> hin((size_t)T * H * asz);
@@ -343,6 +343,26 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
                 wts[(size_t)t * k + j] = (float)(u(rng) + 0.1);
             }
         }
+        CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
+    } else if (routing == COUNTS) {
+        /* (*per_expert)[e] assignments of expert e: the ids sorted by expert, slot j of token t the (j T + t)-th
+         * (a token's k experts differ while no count exceeds T), the tokens then shuffled */
+        std::vector<int> flat;
+        for (int e = 0; e < s.E; e++) flat.insert(flat.end(), (size_t)(*per_expert)[e], e);
+        if ((int)flat.size() != T * k) {
+            expect(false, "COUNTS: the counts sum to T * k");
+            return;
+        }
+        std::vector<int> order(T);
+        for (int t = 0; t < T; t++) order[t] = t;
+        std::shuffle(order.begin(), order.end(), rng);
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (int t = 0; t < T; t++)
+            for (int j = 0; j < k; j++) {
+                ids[(size_t)order[t] * k + j] = flat[(size_t)j * T + t];
+                wts[(size_t)order[t] * k + j] = (float)(u(rng) + 0.1);
+            }
         CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
     } else {
@@ -395,13 +415,13 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     }
     /* same inputs again: bitwise identical; without ids (routing inside forward): identical too */
     CUDA_OK(cudaMemset(d.out2, 0xff, obytes));
-    if (routing == GIVEN) COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out2, nullptr));
+    if (given) COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out2, nullptr));
     else COL_OK(colibri_moe_forward(ctx, T, adt, d.in, nullptr, nullptr, d.out2, nullptr));
     CUDA_OK(cudaMemcpy(hout2.data(), d.out2, obytes, cudaMemcpyDeviceToHost));
     {
         char what[300];
         snprintf(what, sizeof what, "%s: second forward%s bitwise equal", name,
-                 routing == GIVEN ? "" : " (routing inside forward)");
+                 given ? "" : " (routing inside forward)");
         expect(memcmp(hout.data(), hout2.data(), obytes) == 0, what);
     }
     COL_OK(colibri_moe_context_take_device_error(ctx));
@@ -712,6 +732,18 @@ int main(int argc, char **argv) {
                 if (quick && (w == COLIBRI_DTYPE_F16 || r)) continue;
                 run_case(decode, COLIBRI_EXPERT_SWIGLU, w, w, routings[r][0], routings[r][1], T, 0, rng);
             }
+    /* rows per expert chosen around whole 128-row tiles: remainders of 1, 16, 16 past two tiles, 17, 2, 6
+     * rows and an expert with none, on the cluster kernel (at most 2 tiles per expert on average) and on the
+     * one-block kernel (3 stages of k, the last partial), SWIGLU and linear; the column blocks end inside
+     * the last 256 (128 for SWIGLU's up projection). absorb.patch (NOTES.md v22) folded the remainders of
+     * at most 16 rows into the expert's last whole tile; these cases checked it. */
+    const std::vector<int> mc_counts = {129, 144, 272, 145, 130, 0}, one_counts = {400, 390, 272, 130};
+    for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16}) {
+        if (quick && w == COLIBRI_DTYPE_F16) continue;
+        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 410, 0, rng, &mc_counts);
+        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_LINEAR, w, w, COUNTS, 0, 410, 0, rng, &mc_counts);
+        run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one_counts);
+    }
     /* back to back: decode (direct mode, the down projection with the combine folded in: T * k <= 8,
      * 16-byte rows), the scalar-x gemv (H = 1004), and T = 7 (tensor-core tiles, the route kernel's
      * permutation) */
