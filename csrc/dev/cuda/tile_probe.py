@@ -99,6 +99,8 @@ def main():
     ap.add_argument("--tokens", default="1024,4096")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json")
+    ap.add_argument("--max-err", type=float, default=2e-2,
+                    help="limit of Colibri's error against the cuBLAS chain (a diagnostic build may need it lifted)")
     args = ap.parse_args()
     lib = bg.load_lib(args.lib)
     timer = bg.Timer(args.reps)
@@ -133,7 +135,7 @@ def main():
             ref = torch.zeros(T, H, device="cuda", dtype=torch.float32)
             ref.index_add_(0, order // K, torch.cat(outs).float() * 0.5)
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            assert err < 2e-2, f"{label} T={T}: rel err {err}"
+            assert err < args.max_err, f"{label} T={T}: rel err {err}"
             t_col, t_cub = timer.interleaved([g.replay, cg.replay])
             ks = kernel_ms(g, timer.flush, args.reps)
             up, down = (max((v for n, v in ks.items() if glu_arg(n) == g), default=float("nan")) for g in ("true", "false"))
