@@ -294,6 +294,14 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
              kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", dtype_name(wdt), dtype_name(adt), routing, renorm, T,
              workspace);
     if (case_skipped(name)) return;
+    if (routing == COUNTS) {
+        int sum = 0;
+        for (int e = 0; e < s.E; e++) sum += (*per_expert)[e];
+        if (sum != T * s.k) {
+            expect(false, "COUNTS: the rows per expert sum to T * k");
+            return;
+        }
+    }
     Layer L = make_layer(s, kind, wdt, rng);
     const int k = s.k, H = s.H, O = out_features(L);
     const double scale = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 2.5 : 1.0;
@@ -343,17 +351,11 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
                 wts[(size_t)t * k + j] = (float)(u(rng) + 0.1);
             }
         }
-        CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
     } else if (routing == COUNTS) {
         /* (*per_expert)[e] assignments of expert e: the ids sorted by expert, slot j of token t the (j T + t)-th
          * (a token's k experts differ while no count exceeds T), the tokens then shuffled */
         std::vector<int> flat;
         for (int e = 0; e < s.E; e++) flat.insert(flat.end(), (size_t)(*per_expert)[e], e);
-        if ((int)flat.size() != T * k) {
-            expect(false, "COUNTS: the counts sum to T * k");
-            return;
-        }
         std::vector<int> order(T);
         for (int t = 0; t < T; t++) order[t] = t;
         std::shuffle(order.begin(), order.end(), rng);
@@ -363,6 +365,8 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
                 ids[(size_t)order[t] * k + j] = flat[(size_t)j * T + t];
                 wts[(size_t)order[t] * k + j] = (float)(u(rng) + 0.1);
             }
+    }
+    if (given) {
         CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
     } else {

@@ -37,6 +37,11 @@ def short_name(name):
     return name.replace("__nv_bfloat16", "bf16").replace("__half", "f16")
 
 
+def is_flush(name):
+    """Whether a kernel record is the L2 flush before a replay (a fill kernel or a memset), not the forward's."""
+    return "FillFunctor" in name or "emset" in name
+
+
 def kernel_records(prof):
     """The profile's GPU kernels and memsets as (name, start us, end us), in start order."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -63,7 +68,7 @@ def trace_one(labelled, T, x, out, reps, flush):
     # The records: per round and build, the flush (a fill kernel or a memset) and the forward's kernels.
     replays, current = [], None
     for name, start, end in kernel_records(prof):
-        if "FillFunctor" in name or "emset" in name:
+        if is_flush(name):
             if current:
                 replays.append(current)
             current = []

@@ -14,7 +14,6 @@ kernel records of the replays, medians). Prints ms, the FLOP rate of the useful 
 the counts take in main's tile table (ceil(count / 128) per expert).
 """
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -27,7 +26,8 @@ import torch.nn.functional as Fn
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "..", "..", "bench")]
 import bench_gpu as bg  # noqa: E402
-from replay_kernels import kernel_records, short_name  # noqa: E402
+import decode_trace  # noqa: E402
+from replay_kernels import is_flush, kernel_records, short_name  # noqa: E402
 
 E, K, H, F = 8, 2, 4096, 14336
 
@@ -87,7 +87,7 @@ def kernel_ms(graph, flush, reps):
         torch.cuda.synchronize()
     per = {}
     for name, s, e in kernel_records(prof):
-        if "FillFunctor" in name or "emset" in name:
+        if is_flush(name):
             continue
         per.setdefault(short_name(name), []).append((e - s) / 1e3)
     return {n: statistics.median(v) for n, v in per.items()}
@@ -104,17 +104,8 @@ def main():
     args = ap.parse_args()
     lib = bg.load_lib(args.lib)
     timer = bg.Timer(args.reps)
-    w1, w3, w2, router = bg.random_layer(E, H, F)
-    packed = torch.cat([w1.reshape(E, -1), w3.reshape(E, -1), w2.reshape(E, -1)], dim=1).cpu()
-    offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
-    cfg = bg.Config(expert_kind=0, weight_dtype=2, num_experts=E, top_k=K, hidden_size=H, intermediate_size=F,
-                    routing=0, renormalize=1, routed_scaling_factor=1.0, workspace_tokens=0, device=1, device_id=0,
-                    num_threads=0, routing_fn=None, routing_user_data=None)
-    ctx = ctypes.c_void_p()
-    router_host = router.cpu().contiguous()
-    bg.check(lib, lib.colibri_moe_context_init(ctypes.byref(ctx), ctypes.byref(cfg), packed.data_ptr(), offsets,
-                                               packed.numel(), router_host.data_ptr(), None), "init")
-    del packed
+    ctx = decode_trace.setup("Mixtral-8x7B", E, K, H, F, 1, [("lib", lib)])["lib"]
+    w1, w3, w2, router = bg.random_layer(E, H, F)  # the context's weights again (the same seed), for cuBLAS
     w13 = torch.cat([w1, w3], dim=1)  # [E, 2F, H]
     torch.manual_seed(1)
     rows = []
@@ -138,7 +129,8 @@ def main():
             assert err < args.max_err, f"{label} T={T}: rel err {err}"
             t_col, t_cub = timer.interleaved([g.replay, cg.replay])
             ks = kernel_ms(g, timer.flush, args.reps)
-            up, down = (max((v for n, v in ks.items() if glu_arg(n) == g), default=float("nan")) for g in ("true", "false"))
+            up, down = (max((v for n, v in ks.items() if glu_arg(n) == glu), default=float("nan"))
+                        for glu in ("true", "false"))
             flops = 2 * T * K * 3 * H * F
             tiles = sum((c + 127) // 128 for c in counts)
             rows.append(dict(T=T, counts=label, per_expert=counts, tiles=tiles, colibri_ms=t_col, cublas_ms=t_cub,
