@@ -227,13 +227,16 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             except RuntimeError as err:
                 print(f"  torch._grouped_mm failed: {err}", file=sys.stderr)
                 t_grouped = float("nan")
-            touched = torch.unique(route(x, router, k, renorm)[1]).numel()
+            # rows per expert of this draw (by the reference router): what the tile counts depend on
+            counts = torch.bincount(route(x, router, k, renorm)[1].flatten(), minlength=E)
+            touched = int((counts > 0).sum())
             nbytes = touched * expert_bytes + 2 * T * H * 2
             flops = 2 * T * k * 3 * H * F
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
             row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, colibri_ms=t_col, eager_ms=t_eager, grouped_ms=t_grouped,
                        floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col, speedup_vs_eager=t_eager / t_col,
-                       speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err)
+                       speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err,
+                       rows_per_expert=counts.tolist())
             for c in compare.values():
                 c["fraction_of_floor"] = floor_ms / c["colibri_ms"]
             if compare:

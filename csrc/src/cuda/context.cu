@@ -186,7 +186,9 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     if (prefetch_late && (st = colibri_cuda_launch_prefetch(ctx, num_tokens, tile_m, s)) != COLIBRI_OK) return st;
     if (!direct && !permuted) {
         const bool pairs = colibri_cuda_experts_pairs(ctx, num_tokens, tile_m);
-        if ((st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, pairs, s)) != COLIBRI_OK) return st;
+        const int absorb = colibri_cuda_experts_absorb(ctx, tile_m);
+        if ((st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, pairs, absorb, s)) != COLIBRI_OK)
+            return st;
     }
     bool combined = false;
     if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, topk_weights, output,

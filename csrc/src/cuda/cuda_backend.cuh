@@ -230,9 +230,11 @@ size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_c
 /* Chunks (rows of permute_hist) the multi-block permutation of `assignments` uses at most. */
 size_t colibri_cuda_permute_chunks(int64_t assignments, int32_t num_experts);
 colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts);
-/* pairs: the tile table in the order of the cluster kernel's pairs (colibri_cuda_experts_pairs) */
+/* pairs: the tile table in the order of the cluster kernel's pairs (colibri_cuda_experts_pairs); absorb:
+ * the rows an expert's last tile may take past tile_m (colibri_cuda_experts_absorb) */
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             const int32_t *topk_ids, int32_t tile_m, bool pairs, cudaStream_t stream);
+                                             const int32_t *topk_ids, int32_t tile_m, bool pairs, int absorb,
+                                             cudaStream_t stream);
 colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
                                              colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream);
 /* experts.cu */
@@ -243,6 +245,9 @@ bool colibri_cuda_experts_direct(const colibri_moe_context_t *ctx, int64_t num_t
 /* Whether the projections of tile_m-row tiles may run on the cluster kernel, whose pairs of tiles want
  * the tile table in pair order (permute_scan). */
 bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m);
+/* How many rows past tile_m an expert's last tile may take (0: none), where every projection of tile_m-row
+ * tiles runs wgmma_ws_kernel, which multiplies them (its extra rows). */
+int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m);
 /* direct_ids: the forward's topk ids when colibri_cuda_experts_direct (no permute ran), else NULL.
  * *combined: the last projection also summed the top-k into output (direct mode, few assignments), so
  * no combine is to follow; else it wrote y. */

@@ -143,11 +143,13 @@ colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts)
 }
 
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             const int32_t *topk_ids, int32_t tile_m, bool pairs, cudaStream_t stream) {
+                                             const int32_t *topk_ids, int32_t tile_m, bool pairs, int absorb,
+                                             cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int n = (int)(num_tokens * ctx->cfg.top_k), E = ctx->cfg.num_experts;
     PermuteArgs o = permute_args(b);
     o.pairs = pairs;
+    o.absorb = absorb; /* permute_warp's few assignments have no expert past a whole tile: nothing to take */
     if (permute_by_warp(n, E, o)) {
         COLIBRI_CUDA_CHECK(colibri_launch(permute_kernel, dim3(1), dim3(32), sizeof(int) * 2 * (size_t)E, stream,
                                           topk_ids, n, E, tile_m, o));

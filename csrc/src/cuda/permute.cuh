@@ -14,8 +14,17 @@ struct PermuteArgs {
     int32_t *num_tiles;
     unsigned long long *totals;
     int32_t *bad_id;
-    int pairs; /* the tile table in MC pair order (permute_scan) */
+    int pairs;  /* the tile table in MC pair order (permute_scan) */
+    int absorb; /* > 0: an expert's last rows past its whole tiles, up to this many, ride on its last tile */
 };
+
+/* Tiles of an expert's c rows: ceil(c / tile_m), but with `absorb` the last r <= absorb rows past one or
+ * more whole tiles go with the last whole tile (128 + r rows: wgmma_ws_kernel's extra rows, NOTES.md v22)
+ * instead of a tile of their own. */
+__device__ __forceinline__ int permute_tiles(int c, int tile_m, int absorb) {
+    const int r = c % tile_m;
+    return c / tile_m + (r > (c >= tile_m ? absorb : 0));
+}
 
 #define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk (one-block permutation) */
 
@@ -39,7 +48,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
     const int e0 = min((int)threadIdx.x * per, E), e1 = min(e0 + per, E);
     int my_count = 0, my_tiles = 0, my_odd = 0;
     for (int e = e0; e < e1; e++) {
-        const int t = (count[e] + tile_m - 1) / tile_m;
+        const int t = permute_tiles(count[e], tile_m, o.absorb);
         my_count += count[e];
         my_tiles += t;
         my_odd += t & 1;
@@ -53,7 +62,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
     if (o.pairs) {
         odd_rank = colibri_block_exclusive_scan(my_odd, warp_sums, &odd_total);
         for (int e = e0, t0 = tile, j = odd_rank; e < e1; e++) {
-            const int t = (count[e] + tile_m - 1) / tile_m;
+            const int t = permute_tiles(count[e], tile_m, o.absorb);
             if ((t & 1) && !(j & 1) && j + 1 < odd_total) pair_ends[j >> 1] = t0 + t;
             j += t & 1;
             t0 += t;
@@ -61,7 +70,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
         __syncthreads();
     }
     for (int e = e0; e < e1; e++) {
-        const int c = count[e], t = (c + tile_m - 1) / tile_m;
+        const int c = count[e], t = permute_tiles(c, tile_m, o.absorb);
         o.offsets[e] = pos;
         if (cursor) cursor[e] = pos;
         o.totals[e] += (unsigned long long)c;
@@ -82,7 +91,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
         }
         for (int i = 0; i < t; i++) {
             const int b = i * tile_m;
-            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, i == t - 1 ? pos + c : pos + b + tile_m, 0};
         }
         tile += t;
         pos += c;
@@ -289,6 +298,7 @@ static inline PermuteArgs permute_args(const CudaBackend *b) {
     o.totals = b->totals;
     o.bad_id = b->bad_id;
     o.pairs = 0;
+    o.absorb = 0;
     return o;
 }
 

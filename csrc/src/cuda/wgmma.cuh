@@ -30,8 +30,9 @@
  * step, with coalesced 16-byte stores. NOTES.md, v7.
  *
  * Where the driver encodes tensor maps (CUDA 12), the tiles run on wgmma_ws_kernel below instead: the
- * same products and epilogue, the loads issued by a producer warpgroup of their own, and items handed
- * to the blocks in the order they ask for them (NOTES.md v14 A, v15). wgmma_kernel remains for CUDA
+ * same products, the loads issued by a producer warpgroup of their own, items handed to the blocks in
+ * the order they ask for them (NOTES.md v14 A, v15), an expert's last few rows folded into its last
+ * whole tile (v23), and an epilogue of 64-column rounds with 16-byte stores. wgmma_kernel remains for CUDA
  * 11.8 builds and drivers without the map encoder (and COLIBRI_CUDA_NO_WS=1, which the harness uses).
  */
 
@@ -143,20 +144,21 @@ __device__ __forceinline__ float wg_silu(float g) {
 /* The output step's pieces, shared by wgmma_kernel and wgmma_ws_kernel. Accumulator layout of
  * m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1)
  * in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8): the fragments of stmatrix. SWIGLU's up column for
- * gate column j is 128 columns, 64 registers, further on. wg_stage_half writes this warp's 16 rows x
- * output columns [128 half, + 128) (SWIGLU: silu(gate) * up) to `buf`, rows WG_OUT_ROW_BYTES apart. */
-template <class T, bool GLU>
-__device__ __forceinline__ void wg_stage_half(const float (&acc)[128], uint32_t buf, int half) {
+ * gate column j is 128 columns, 64 registers, further on. wg_stage_part writes this warp's 16 rows x
+ * output columns [COLS part, + COLS) (SWIGLU: silu(gate) * up) to `buf`, rows ROW_BYTES apart
+ * (wgmma_kernel: 128 columns, WG_OUT_ROW_BYTES; wgmma_ws_kernel: 64, WS_OUT_ROW_BYTES). */
+template <class T, bool GLU, int COLS, int ROW_BYTES>
+__device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t buf, int part) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
-    const uint32_t lane_off = ((lane & 7) + (lane & 8)) * WG_OUT_ROW_BYTES + (lane >> 4) * 16;
+    const uint32_t lane_off = ((lane & 7) + (lane & 8)) * ROW_BYTES + (lane >> 4) * 16;
 #pragma unroll
-    for (int jj = 0; jj < WG_OUT_COLS / 16; jj++) {
+    for (int jj = 0; jj < COLS / 16; jj++) {
         uint32_t r[4];
 #pragma unroll
         for (int q = 0; q < 4; q++) {
-            const int i = 4 * (half * WG_OUT_COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
+            const int i = 4 * (part * COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
             float v0 = acc[i], v1 = acc[i + 1];
             if constexpr (GLU) {
                 v0 = wg_silu(v0) * acc[64 + i];
@@ -169,25 +171,52 @@ __device__ __forceinline__ void wg_stage_half(const float (&acc)[128], uint32_t 
 #endif
 }
 
-/* Stores this warp's 16 rows (positions prow + r below tile_end) x output columns [col, + 128) (col < n;
+/* Stores this warp's 16 rows (positions prow + r below tile_end) x output columns [col, + COLS) (col < n;
  * fewer where n ends first) of an [*, n] output through its staging buffer `buf`: once the bulk copies
  * of the buffer's previous use have read it, the rows are staged and handed to the bulk-copy engine, a
  * row per lane, and the warp goes on while they are written. */
-template <class T, bool GLU>
-__device__ __forceinline__ void wg_store_half(const float (&acc)[128], uint32_t buf, int half, T *out, int n, int col,
+template <class T, bool GLU, int COLS, int ROW_BYTES>
+__device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t buf, int part, T *out, int n, int col,
                                               int prow, int tile_end) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncwarp();
-    wg_stage_half<T, GLU>(acc, buf, half);
+    wg_stage_part<T, GLU, COLS, ROW_BYTES>(acc, buf, part);
     /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane < 16 && prow + lane < tile_end)
-        wg_bulk_store(out + (size_t)(prow + lane) * n + col, buf + lane * WG_OUT_ROW_BYTES,
-                      (uint32_t)min(WG_OUT_COLS, n - col) * 2);
+        wg_bulk_store(out + (size_t)(prow + lane) * n + col, buf + lane * ROW_BYTES, (uint32_t)min(COLS, n - col) * 2);
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+/* As wg_store_part, without the bulk-copy engine: the rows staged with stmatrix are read back as 16-byte
+ * chunks and written with coalesced 16-byte stores, so that a round needs no wait for the engine's reads
+ * of the buffer before the next one (wgmma_ws_kernel's 64-column rounds through the bulk copies made the
+ * fine-grained T=256-2048 rows 0.98x; these, 1.00x: NOTES.md v23). */
+template <class T, bool GLU, int COLS, int ROW_BYTES>
+__device__ __forceinline__ void wg_store_part_direct(const float (&acc)[128], uint32_t buf, int part, T *out, int n,
+                                                     int col, int prow, int tile_end) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int CHUNKS = COLS / 8; /* 16-byte chunks per row */
+    const int lane = threadIdx.x & 31;
+    __syncwarp(); /* the last round's reads of the buffer are done */
+    wg_stage_part<T, GLU, COLS, ROW_BYTES>(acc, buf, part);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 16 * CHUNKS / 32; i++) {
+        const int idx = i * 32 + lane, r = idx / CHUNKS, ch = idx % CHUNKS, c = col + ch * 8;
+        if (c < n && prow + r < tile_end) {
+            uint4 v;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(buf + r * ROW_BYTES + ch * 16)
+                         : "memory");
+            *reinterpret_cast<uint4 *>(out + (size_t)(prow + r) * n + c) = v;
+        }
+    }
 #endif
 }
 
@@ -348,7 +377,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
         const int col0 = nb * COLS;
         /* the previous item's bulk copies have read the buffer (long done: an item ago) */
-        wg_store_half<T, GLU>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
+        wg_store_part<T, GLU, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
         if constexpr (!GLU) {
             /* the ring slot the loader fills next (the last but one the products read; the last with
              * AHEAD 3): free once both warpgroups are past their wait_group 0 (this barrier) until the
@@ -356,7 +385,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
             __syncthreads();
             const uint32_t spare = sbase + (uint32_t)((stage + AHEAD) % WG_STAGES) * WG_STAGE_BYTES +
                                    (tid >> 5) * WG_OUT_WARP_BYTES;
-            wg_stage_half<T, GLU>(acc, spare, 1);
+            wg_stage_part<T, GLU, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, spare, 1);
             __syncwarp();
             const int c16 = lane & 15, col = col0 + WG_OUT_COLS + c16 * 8;
 #pragma unroll
@@ -399,20 +428,129 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  *    read the slot are complete (wgmma.wait_group). The producer refills a slot after its empty phase.
  * So the loads run up to 3 stages ahead of the products whatever the tiles (wgmma_kernel: 2, or 3
  * with a drain at every stage), and through the epilogue. The producer gives its registers to the
- * consumers (setmaxnreg: 56 and 224 of the 168 per thread 384 threads start with; 128 x 56 + 256 x 224 is
- * the block's 384 x 168).
- * A linear item's second 128 columns go through the same staging buffer as its first, once the bulk
- * copies have read it (no ring slot is free at a known time here). No block-wide barrier after the
- * start: the producer returns when its loads are issued. */
+ * consumers (setmaxnreg: 64 and 216 of the 168 per thread 384 threads start with, within the block's
+ * 384 x 168; at 56 and 224 nvcc 13's ptxas spilled 4-28 bytes in the MC producer with the folded tiles'
+ * extra rows, and a folded item's consumer holds 152 accumulators).
+ * The epilogue stages 64 output columns a round (2 rounds for SWIGLU's 128, 4 for a linear item's 256)
+ * and stores them with 16-byte stores (wg_store_part_direct): the ring's stages hold a folded tile's
+ * extra rows too (below), which leaves no room for wgmma_kernel's 128-column staging buffer. No
+ * block-wide barrier after the start: the producer returns when its loads are issued. */
 #define WS_THREADS (WG_THREADS + 128)
-#define WS_PRODUCER_REGS 56
-#define WS_CONSUMER_REGS 224
+#ifndef WS_PRODUCER_REGS
+#define WS_PRODUCER_REGS 64
+#define WS_CONSUMER_REGS 216
+#endif
+
+/* An expert's last few rows, folded into its last whole tile (NOTES.md v23). permute_scan's `absorb` gives an
+ * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows, instead of a
+ * tile of its own for the r rows: such a tile's items read the expert's whole weight block for a few rows
+ * and cost about what a full item costs (Mixtral T=1024: three 8-row tiles made the forward 1.22x longer,
+ * NOTES.md v22 A). The producer gathers the extra rows into WS_EXTRA_ROWS rows at the front of each stage,
+ * right before the tile's 128 (zeros past the tile's end), and both consumer warpgroups multiply the stage
+ * transposed: the weight rows as wgmma's A operand (M, 64 per product), all 128 + WS_EXTRA_ROWS token rows
+ * as its B (N = 152): (128 + 24) / 128 = 1.19x an item's tensor work, in the same asynchronous products
+ * and slot releases as any item. Warpgroup w takes weight rows [64w, + 64) and [128 + 64w, + 64): SWIGLU's
+ * gate and up rows of the same 64 output columns, so that silu(gate) * up pairs registers of one thread;
+ * else rows [128w, + 128). Its 2 x 76 accumulators are acc[0, 76), then acc[76, 128) and xacc[0, 24). */
+#ifndef WS_EXTRA_ROWS
+#define WS_EXTRA_ROWS 24
+#endif
+#define WS_TN (WG_BM + WS_EXTRA_ROWS) /* token rows of a folded item's products */
+#define WS_TH (WS_TN / 2)             /* accumulators per thread of one m64 x WS_TN product */
+#define WS_X_BYTES (WS_EXTRA_ROWS * 128)
+#define WS_STAGE_BYTES (WS_X_BYTES + WG_STAGE_BYTES)
+/* The staging buffer of wgmma_ws_kernel: 64 output columns a round (wgmma_kernel's 128 leave no room for the
+ * extra rows): 4 x 51 KB of ring, 18 KB of staging, 223 KB in all (227 with 32 extra rows). */
+#define WS_OUT_COLS 64
+#define WS_OUT_ROW_BYTES (WS_OUT_COLS * 2 + 16)
+#define WS_OUT_WARP_BYTES (16 * WS_OUT_ROW_BYTES)
+#define WS_OUT_BYTES (WG_THREADS / 32 * WS_OUT_WARP_BYTES)
+#define WS_SMEM_BYTES (WG_STAGES * WS_STAGE_BYTES + WS_OUT_BYTES + 1024)
+static_assert(WS_SMEM_BYTES <= 232448, "wgmma_ws_kernel's shared memory is over the H100/H200 opt-in limit");
+static_assert(WS_X_BYTES % 1024 == 0, "the extra rows keep the 128-byte swizzle's period");
+
+#define WS_F4(d, i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+#if WS_EXTRA_ROWS == 24
+#define WS_T_REGS \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+    "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, " \
+    "%74, %75}"
+#define WS_T0_OPERANDS(d) \
+    WS_F4(d, 0), WS_F4(d, 4), WS_F4(d, 8), WS_F4(d, 12), WS_F4(d, 16), WS_F4(d, 20), WS_F4(d, 24), \
+        WS_F4(d, 28), WS_F4(d, 32), WS_F4(d, 36), WS_F4(d, 40), WS_F4(d, 44), WS_F4(d, 48), WS_F4(d, 52), \
+        WS_F4(d, 56), WS_F4(d, 60), WS_F4(d, 64), WS_F4(d, 68), WS_F4(d, 72)
+#define WS_T1_OPERANDS(d, x) \
+    WS_F4(d, 76), WS_F4(d, 80), WS_F4(d, 84), WS_F4(d, 88), WS_F4(d, 92), WS_F4(d, 96), WS_F4(d, 100), \
+        WS_F4(d, 104), WS_F4(d, 108), WS_F4(d, 112), WS_F4(d, 116), WS_F4(d, 120), WS_F4(d, 124), \
+        WS_F4(x, 0), WS_F4(x, 4), WS_F4(x, 8), WS_F4(x, 12), WS_F4(x, 16), WS_F4(x, 20)
+#define WS_MMA_SHAPE "m64n152k16"
+#define WS_MMA_DESCS ", %76, %77, 1, 1, 1, 0, 0;"
+#else
+#error "the transposed products are written out for 24 extra rows (N = 152)"
+#endif
+/* d (+)= A B^T for a 64 x 16 A (weight rows) and a WS_TN x 16 B (token rows), both K-major in shared memory */
+#define WS_MMA_T(TYPE, OPERANDS, da, db)                                                                     \
+    asm volatile("wgmma.mma_async.sync.aligned." WS_MMA_SHAPE ".f32." TYPE "." TYPE " " WS_T_REGS WS_MMA_DESCS \
+                 : OPERANDS                                                                                 \
+                 : "l"(da), "l"(db))
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* chunk 0's product into acc[0, 76), chunk 1's into acc[76, 128) and xacc */
+template <class T> __device__ __forceinline__ void ws_mma_t0(float (&d)[128], uint64_t da, uint64_t db) {
+    if constexpr (std::is_same<T, __half>::value) WS_MMA_T("f16", WS_T0_OPERANDS(d), da, db);
+    else WS_MMA_T("bf16", WS_T0_OPERANDS(d), da, db);
+}
+template <class T>
+__device__ __forceinline__ void ws_mma_t1(float (&d)[128], float (&x)[WS_EXTRA_ROWS], uint64_t da, uint64_t db) {
+    if constexpr (std::is_same<T, __half>::value) WS_MMA_T("f16", WS_T1_OPERANDS(d, x), da, db);
+    else WS_MMA_T("bf16", WS_T1_OPERANDS(d, x), da, db);
+}
+#endif
+/* accumulator i of chunk c of a folded item's products */
+__device__ __forceinline__ float ws_tacc(const float (&acc)[128], const float (&xacc)[WS_EXTRA_ROWS], int c, int i) {
+    const int j = c * WS_TH + i;
+    return j < 128 ? acc[j] : xacc[j - 128];
+}
+
+/* Stores a folded item's outputs: this thread's weight rows m = 16 w + g (+8) of each chunk (g = lane / 4)
+ * for token columns 8j + 2t (+1) (t = lane % 4): column n of the products is the tile's row 128 + n for n <
+ * WS_EXTRA_ROWS, else row n - WS_EXTRA_ROWS. Lanes g and g ^ 1 hold neighbouring output columns of the same
+ * tokens: one shuffle gives each a pair of columns of one token, a 4-byte store. SWIGLU: chunk 0 the gate
+ * rows, chunk 1 the up rows of output columns col0 + m; else chunk c's output columns col0 + 64 c + m (col0:
+ * the item's first column plus this warpgroup's 64, SWIGLU, or 128). */
+template <class T, bool GLU>
+__device__ __forceinline__ void ws_store_folded(const float (&acc)[128], const float (&xacc)[WS_EXTRA_ROWS], T *out,
+                                                int n, int col0, const ExpertTile &tile) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, odd = g & 1, w = (threadIdx.x >> 5) & 3;
+#pragma unroll
+    for (int c = 0; c < (GLU ? 1 : 2); c++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int col = col0 + 64 * c + 16 * w + 8 * h + (g & ~1);
+#pragma unroll
+            for (int j = 0; j < WS_TN / 8; j++) {
+                float v[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const int i = 4 * j + 2 * h + e;
+                    v[e] = GLU ? wg_silu(ws_tacc(acc, xacc, 0, i)) * ws_tacc(acc, xacc, 1, i) : ws_tacc(acc, xacc, c, i);
+                }
+                const float other = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 4);
+                const int tok = 8 * j + 2 * t + odd;
+                const int pos = tile.begin + (tok < WS_EXTRA_ROWS ? WG_BM + tok : tok - WS_EXTRA_ROWS);
+                if (pos < tile.end && col < n)
+                    *reinterpret_cast<uint32_t *>(out + (size_t)pos * n + col) =
+                        odd ? pack2<T>(other, v[1]) : pack2<T>(v[0], other);
+            }
+        }
+}
 
 /* The ring's mbarriers live in the 16 padding bytes at the end of staging-buffer rows, which neither
- * stmatrix nor the bulk copies touch (the ring and the staging buffer take all 227 KB): slot s's "full"
+ * stmatrix nor the epilogue's reads touch (the ring and the staging buffer take all the room): slot s's "full"
  * barrier in row s, its "empty" one 8 bytes on. */
 __device__ __forceinline__ uint32_t ws_full_bar(uint32_t sbase, int slot) {
-    return sbase + WG_STAGES * WG_STAGE_BYTES + slot * WG_OUT_ROW_BYTES + WG_OUT_COLS * 2;
+    return sbase + WG_STAGES * WS_STAGE_BYTES + slot * WS_OUT_ROW_BYTES + WS_OUT_COLS * 2;
 }
 __device__ __forceinline__ uint32_t ws_empty_bar(uint32_t sbase, int slot) { return ws_full_bar(sbase, slot) + 8; }
 #ifndef COLIBRI_WS_DYNAMIC
@@ -538,6 +676,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int P_THREADS = WS_THREADS - WG_THREADS;
     constexpr int A_PER_T = WG_BM * 8 / P_THREADS, ROW_STEP = P_THREADS / 8;
+    constexpr int X_PER_T = (WS_EXTRA_ROWS + ROW_STEP - 1) / ROW_STEP;
     constexpr uint32_t HALF_B = WG_B_BYTES / 2;
     pdl_begin();
     const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS;
@@ -656,6 +795,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                 const int pos = tile.begin + r0 + i * ROW_STEP;
                 row[i] = pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
             }
+            /* a folded tile's rows past its 128 (-1: none): rows r0 + i ROW_STEP of the stage's front */
+            const bool folded = tile.end - tile.begin > WG_BM;
+            int xrow[X_PER_T];
+#pragma unroll
+            for (int i = 0; i < X_PER_T; i++) {
+                const int pos = tile.begin + WG_BM + r0 + i * ROW_STEP;
+                xrow[i] = folded && pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
+            }
             /* the map's rows of the two boxes: SWIGLU gate rows and the up rows of the same columns, else
              * the item's 256 rows */
             const int row0 = nb * COLS, row1 = GLU ? a.n + nb * COLS : nb * COLS + WG_BN / 2;
@@ -664,7 +811,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                 /* the products read the slot through the async proxy; the cp.async below write it through
                  * the generic one */
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                const uint32_t st = sbase + (uint32_t)slot * WG_STAGE_BYTES, full = ws_full_bar(sbase, slot);
+                /* the stage: the extra rows, the tile's 128 rows (A), the weight rows (B) */
+                const uint32_t st = sbase + (uint32_t)slot * WS_STAGE_BYTES + WS_X_BYTES, full = ws_full_bar(sbase, slot);
                 const int k0 = kt * WG_BK;
                 if (p == 0) {
                     /* the item, for the consumers, at its first stage (published by the arrival below) */
@@ -689,6 +837,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     const void *src = ok ? (const void *)(x + (size_t)row[i] * a.k + k0 + c * 8) : a.x;
                     cp_async16(st + my_off + i * ROW_STEP * 128, src, ok);
                 }
+                if (folded) {
+#pragma unroll
+                    for (int i = 0; i < X_PER_T; i++) {
+                        const bool ok = xrow[i] >= 0 && k_ok;
+                        const void *src = ok ? (const void *)(x + (size_t)xrow[i] * a.k + k0 + c * 8) : a.x;
+                        if (r0 + i * ROW_STEP < WS_EXTRA_ROWS) cp_async16(st - WS_X_BYTES + my_off + i * ROW_STEP * 128, src, ok);
+                    }
+                }
                 asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
                 if (++slot == WG_STAGES) {
                     slot = 0;
@@ -708,11 +864,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
     const int wg = tid >> 7, lane = tid & 31;
     T *out = reinterpret_cast<T *>(a.out);
-    float acc[128];
+    float acc[128], xacc[WS_EXTRA_ROWS]; /* xacc: a folded item's last accumulators (ws_mma_t1) */
     int stage = 0;
     uint32_t parity = 0; /* of the full phase to wait for */
-    /* One item's k loop; MMA false as in wgmma_kernel (this warpgroup's rows are all past the tile's end):
-     * it waits and releases like the other, without products. Each warp releases a slot once its
+    /* One item's k loop; MODE 0 (false) as in wgmma_kernel (this warpgroup's rows are all past the tile's
+     * end): it waits and releases like the other, without products; 1 (true) the products of a tile of at
+     * most 128 rows; 2 a folded tile's transposed ones. Each warp releases a slot once its
      * products that read it are complete: the previous stage's after this one's are issued and all but
      * the newest group done (wgmma.wait_group 1), the item's last after wait_group 0. */
     /* this warp's arrival on slot `slot`'s empty barrier (none for -1), once all its lanes are past their
@@ -727,19 +884,34 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
 #endif
         }
     };
-    auto k_loop = [&](auto mma_tag) {
-        constexpr bool MMA = decltype(mma_tag)::value;
+    auto k_loop = [&](auto mode_tag) {
+        constexpr int MODE = (int)decltype(mode_tag)::value;
+        constexpr bool MMA = MODE != 0;
         int prev = -1;
         for (int kt = 0; kt < ktiles; kt++) {
             ws_wait(ws_full_bar(sbase, stage), parity);
             if constexpr (MMA) {
                 /* A was written through the generic proxy (cp.async); wgmma reads through the async proxy */
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                const uint32_t st = sbase + (uint32_t)stage * WG_STAGE_BYTES;
+                const uint32_t st = sbase + (uint32_t)stage * WS_STAGE_BYTES + WS_X_BYTES; /* the tile's 128 rows */
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                if constexpr (MODE == 1) {
 #pragma unroll
-                for (int ks = 0; ks < WG_BK / 16; ks++)
-                    wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32), wg_desc(st + WG_A_BYTES + ks * 32));
+                    for (int ks = 0; ks < WG_BK / 16; ks++)
+                        wg_mma<T>(acc, wg_desc(st + wg * (WG_A_BYTES / 2) + ks * 32),
+                                  wg_desc(st + WG_A_BYTES + ks * 32));
+                } else {
+                    /* the weight rows' chunks of 64 (8 KB) this warpgroup takes, and all the token rows from
+                     * the extra ones on */
+                    const uint32_t w0 = st + WG_A_BYTES + (GLU ? wg : 2 * wg) * 8192u,
+                                   w1 = st + WG_A_BYTES + (GLU ? 2 + wg : 2 * wg + 1) * 8192u;
+#pragma unroll
+                    for (int ks = 0; ks < WG_BK / 16; ks++) {
+                        const uint64_t xd = wg_desc(st - WS_X_BYTES + ks * 32);
+                        ws_mma_t0<T>(acc, wg_desc(w0 + ks * 32), xd);
+                        ws_mma_t1<T>(acc, xacc, wg_desc(w1 + ks * 32), xd);
+                    }
+                }
                 asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             }
@@ -763,19 +935,28 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         bool share;
         unit(it, ti, nb, share);
         const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0};
+        const int col0 = nb * COLS;
+        if (tile.end - tile.begin > WG_BM) {
+            /* a folded tile (its extra rows at the stages' front): transposed products, direct stores */
+#pragma unroll
+            for (int i = 0; i < 128; i++) acc[i] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < WS_EXTRA_ROWS; i++) xacc[i] = 0.0f;
+            k_loop(std::integral_constant<int, 2>{});
+            ws_store_folded<T, GLU>(acc, xacc, out, a.n, col0 + (GLU ? 64 : 128) * wg, tile);
+            continue;
+        }
         wg_products(tile, wg, acc, k_loop);
         if (ti < 0) continue; /* MC rank 1 with no tile: the ring kept in step, nothing to store */
 
         const int prow = tile.begin + (tid >> 5) * 16; /* position of this warp's first row */
-        const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
-        const int col0 = nb * COLS;
-        wg_store_half<T, GLU>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
-        if constexpr (!GLU)
-            if (col0 + WG_OUT_COLS < a.n)
-                wg_store_half<T, GLU>(acc, out_buf, 1, out, a.n, col0 + WG_OUT_COLS, prow, tile.end);
+        const uint32_t out_buf = sbase + WG_STAGES * WS_STAGE_BYTES + (tid >> 5) * WS_OUT_WARP_BYTES;
+#pragma unroll
+        for (int part = 0; part < COLS / WS_OUT_COLS; part++)
+            if (col0 + part * WS_OUT_COLS < a.n)
+                wg_store_part_direct<T, GLU, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
+                                                                            col0 + part * WS_OUT_COLS, prow, tile.end);
     }
-    /* the last bulk copies are complete (written, not only read) before the block ends */
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     if constexpr (MC) ws_cluster_sync();
 #endif
 }
@@ -846,9 +1027,9 @@ static void *ws_encode_fn() {
  * (0 where none would: the MC kernel is then not used). */
 template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters) {
     cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         WG_SMEM_BYTES);
+                                         WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -858,7 +1039,7 @@ template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(2);
     cfg.blockDim = dim3(WS_THREADS);
-    cfg.dynamicSmemBytes = WG_SMEM_BYTES;
+    cfg.dynamicSmemBytes = WS_SMEM_BYTES;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     int n = 0;
@@ -895,10 +1076,10 @@ static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, in
     if (clusters > 0) {
         const int64_t most = (slots + 1) / 2 * nblocks;
         return colibri_launch_clusters(wgmma_ws_kernel<T, GLU, true>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
-                                       dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
+                                       dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
     }
     const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    return colibri_launch(wgmma_ws_kernel<T, GLU, false>, grid, dim3(WS_THREADS), WG_SMEM_BYTES, stream, map, a);
+    return colibri_launch(wgmma_ws_kernel<T, GLU, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
 }
 #endif /* COLIBRI_TMA */
