@@ -737,20 +737,23 @@ int main(int argc, char **argv) {
                 run_case(decode, COLIBRI_EXPERT_SWIGLU, w, w, routings[r][0], routings[r][1], T, 0, rng);
             }
     /* rows per expert chosen around whole 128-row tiles: remainders of 1, 16, 16 past two tiles, 17, 2, 6
-     * rows and an expert with none; then 24 and 25 past one tile (the most wgmma_ws_kernel folds into the
-     * last whole tile, WS_EXTRA_ROWS, and one more: a tile of its own) beside 24 past two, a whole two and
-     * a partial one. On the cluster kernel (at most 2 tiles per expert on average) and on the one-block
-     * kernel (3 stages of k, the last partial), SWIGLU and linear; the column blocks end inside the last 256
-     * (128 for SWIGLU's up projection). NOTES.md v22, v23. */
+     * rows and an expert with none; then around the most rows wgmma_ws_kernel folds into an expert's last
+     * whole tile (WS_EXTRA_ROWS, 24) and fold48.patch's two sizes (24 and 48), and one past each: 24, 25, 48
+     * and 49 rows past one tile, 24 and 48 past two, 40 past three. On the cluster kernel (at most 2 tiles
+     * per expert on average) and on the one-block kernel (3 stages of k, the last partial), SWIGLU and
+     * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). NOTES.md v22, v23. */
     const std::vector<int> mc_counts = {129, 144, 272, 145, 130, 0}, one_counts = {400, 390, 272, 130},
-                           edge_counts = {152, 153, 280, 256, 0, 79};
+                           edge24 = {152, 153, 280, 256, 0, 79}, edge48 = {176, 177, 304, 0, 0, 111},
+                           one48 = {424, 390, 272, 106};
     for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16}) {
         if (quick && w == COLIBRI_DTYPE_F16) continue;
-        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 410, 0, rng, &mc_counts);
-        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_LINEAR, w, w, COUNTS, 0, 410, 0, rng, &mc_counts);
-        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 460, 0, rng, &edge_counts);
-        run_case({6, 2, 512, 1088}, COLIBRI_EXPERT_LINEAR, w, w, COUNTS, 0, 460, 0, rng, &edge_counts);
+        for (colibri_expert_kind_t kind : {COLIBRI_EXPERT_SWIGLU, COLIBRI_EXPERT_LINEAR}) {
+            run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 410, 0, rng, &mc_counts);
+            run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 460, 0, rng, &edge24);
+            run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 384, 0, rng, &edge48);
+        }
         run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one_counts);
+        run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one48);
     }
     /* back to back: decode (direct mode, the down projection with the combine folded in: T * k <= 8,
      * 16-byte rows), the scalar-x gemv (H = 1004), and T = 7 (tensor-core tiles, the route kernel's
