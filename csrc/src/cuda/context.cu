@@ -125,6 +125,7 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
     if (st != COLIBRI_OK) return st;
     st = colibri_cuda_experts_setup(b);
     if (st != COLIBRI_OK) return st;
+    colibri_cuda_experts_fold_setup(ctx, b);
     st = colibri_cuda_route_setup(ctx, b);
     if (st != COLIBRI_OK) return st;
     COLIBRI_CUDA_CHECK(cudaDeviceSynchronize());

@@ -72,6 +72,7 @@ struct CudaBackend {
     bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
     int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
+    int ws_fold;                /* rows past 128 an expert's last tile may take (colibri_cuda_experts_absorb) */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
     bool l2_prefetch;           /* compute capability 9.x: the first wave's weights are prefetched during routing */
@@ -248,6 +249,8 @@ bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_to
 /* How many rows past tile_m an expert's last tile may take (0: none), where every projection of tile_m-row
  * tiles runs wgmma_ws_kernel, which multiplies them (its extra rows). */
 int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m);
+/* At init, after colibri_cuda_experts_setup and the weights' upload: b->ws_fold, for ..._absorb. */
+void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBackend *b);
 /* direct_ids: the forward's topk ids when colibri_cuda_experts_direct (no permute ran), else NULL.
  * *combined: the last projection also summed the top-k into output (direct mode, few assignments), so
  * no combine is to follow; else it wrote y. */

@@ -506,15 +506,47 @@ bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_to
  * two whole tiles by at most 24 rows), T=4096 1.02-1.03x, Qwen1.5-MoE T=2048-4096 1.04-1.05x, DeepSeek-V2-Lite
  * T=4096 1.03x; rows without such experts 1.00x. */
 int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m) {
+    return tile_m == WG_BM ? ((const CudaBackend *)ctx->backend)->ws_fold : 0;
+}
+
 #if COLIBRI_TMA
-    /* 128-row tiles of 16-bit weights run both projections (x in the weight dtype, SWIGLU's up matrix after
-     * its gate matrix) on wgmma_ws_kernel wherever the tensor maps encode; project() refuses the rare
-     * case where one does not rather than let another kernel drop the extra rows */
-    const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    return tile_m == WG_BM && b->tma_encode && colibri_dtype_size(ctx->cfg.weight_dtype) == 2 ? WS_EXTRA_ROWS : 0;
+/* Whether the tensor maps of every projection wgmma_ws_kernel would run encode (project()'s arguments) */
+template <class TW> static bool ws_maps_encode(const colibri_moe_context_t *ctx, const CudaBackend *b) {
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const int32_t H = c->hidden_size, F = c->intermediate_size;
+    const size_t mat = (size_t)F * H * sizeof(TW);
+    CUtensorMap map;
+    ProjArgs a = {};
+    a.w = b->d_weights;
+    a.w_expert_stride = b->expert_stride;
+    a.n = F;
+    a.k = H;
+    if (c->expert_kind != COLIBRI_EXPERT_SWIGLU) return ws_tensor_map<TW, false>(b->tma_encode, a, c->num_experts, &map);
+    a.w_second = mat;
+    if (!ws_tensor_map<TW, true>(b->tma_encode, a, c->num_experts, &map)) return false;
+    a.w = b->d_weights + 2 * mat;
+    a.w_second = 0;
+    a.n = H;
+    a.k = F;
+    return ws_tensor_map<TW, false>(b->tma_encode, a, c->num_experts, &map);
+}
+#endif
+
+/* An expert's last rows fold into its last whole tile (permute_scan's absorb) only where every projection of
+ * 128-row tiles will run wgmma_ws_kernel, the one kernel that multiplies them: 16-bit weights, the map
+ * encoder, and this context's tensor maps encoding (checked once here, so that project() never meets a
+ * folded table it cannot run; it refuses one rather than drop rows). */
+void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBackend *b) {
+    b->ws_fold = 0;
+#if COLIBRI_TMA
+    const colibri_moe_config_t *c = &ctx->cfg;
+    if (!b->tma_encode || c->hidden_size % 8 || c->intermediate_size % 8) return;
+    bool ok = false;
+    if (c->weight_dtype == COLIBRI_DTYPE_BF16) ok = ws_maps_encode<__nv_bfloat16>(ctx, b);
+    else if (c->weight_dtype == COLIBRI_DTYPE_F16) ok = ws_maps_encode<__half>(ctx, b);
+    b->ws_fold = ok ? WS_EXTRA_ROWS : 0;
 #else
-    (void)ctx, (void)tile_m;
-    return 0;
+    (void)ctx;
 #endif
 }
 
