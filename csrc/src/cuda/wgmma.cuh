@@ -452,15 +452,13 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  * and slot releases as any item. Warpgroup w takes weight rows [64w, + 64) and [128 + 64w, + 64): SWIGLU's
  * gate and up rows of the same 64 output columns, so that silu(gate) * up pairs registers of one thread;
  * else rows [128w, + 128). Its 2 x 76 accumulators are acc[0, 76), then acc[76, 128) and xacc[0, 24). */
-#ifndef WS_EXTRA_ROWS
 #define WS_EXTRA_ROWS 24
-#endif
 #define WS_TN (WG_BM + WS_EXTRA_ROWS) /* token rows of a folded item's products */
 #define WS_TH (WS_TN / 2)             /* accumulators per thread of one m64 x WS_TN product */
 #define WS_X_BYTES (WS_EXTRA_ROWS * 128)
 #define WS_STAGE_BYTES (WS_X_BYTES + WG_STAGE_BYTES)
 /* The staging buffer of wgmma_ws_kernel: 64 output columns a round (wgmma_kernel's 128 leave no room for the
- * extra rows): 4 x 51 KB of ring, 18 KB of staging, 223 KB in all (227 with 32 extra rows). */
+ * extra rows): 4 x 51 KB of ring, 18 KB of staging, 223 KB in all. */
 #define WS_OUT_COLS 64
 #define WS_OUT_ROW_BYTES (WS_OUT_COLS * 2 + 16)
 #define WS_OUT_WARP_BYTES (16 * WS_OUT_ROW_BYTES)
@@ -470,6 +468,7 @@ static_assert(WS_SMEM_BYTES <= 232448, "wgmma_ws_kernel's shared memory is over 
 static_assert(WS_X_BYTES % 1024 == 0, "the extra rows keep the 128-byte swizzle's period");
 
 #define WS_F4(d, i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
+/* the register lists of the m64n152k16 products (fold48.patch also has m64n176k16's) */
 #if WS_EXTRA_ROWS == 24
 #define WS_T_REGS \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
