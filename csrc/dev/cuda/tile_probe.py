@@ -11,7 +11,8 @@ flush before each call (bench_gpu.py's Timer): Colibri's graph replay; `cublas`,
 per-expert GEMMs through torch (x_e @ [w1_e; w3_e]^T, silu * up, @ w2_e^T on tokens already grouped by
 expert: no routing, no gather, no combine); and Colibri's up and down kernels' durations (torch.profiler's
 kernel records of the replays, medians). Prints ms, the FLOP rate of the useful rows, and the tiles of 128 rows
-the counts take in main's tile table (ceil(count / 128) per expert).
+the counts take without a fold (ceil(count / 128) per expert; since NOTES.md v23 an expert at most 24 rows past
+whole tiles has one tile fewer in the library's table).
 """
 import argparse
 import json
