@@ -15,15 +15,28 @@ struct PermuteArgs {
     unsigned long long *totals;
     int32_t *bad_id;
     int pairs;  /* the tile table in MC pair order (permute_scan) */
-    int absorb; /* > 0: an expert's last rows past its whole tiles, up to this many, ride on its last tile */
+    int absorb; /* > 0: an expert's rows past its whole tiles ride on its last ones, up to this many each */
 };
 
-/* Tiles of an expert's c rows: ceil(c / tile_m), but with `absorb` the last r <= absorb rows past one or
- * more whole tiles go with the last whole tile (128 + r rows: wgmma_ws_kernel's extra rows, NOTES.md v22)
- * instead of a tile of their own. */
+/* With `absorb`, the r rows an expert has past q >= 1 whole tiles go with its last m = ceil(r / absorb) whole
+ * tiles, at most `absorb` more rows each (128 + up to 24: wgmma_ws_kernel's folded tiles, NOTES.md v23),
+ * instead of a tile of their own, where m is at most PERMUTE_FOLD_TILES and q. A folded item costs 1.2-1.4
+ * plain ones and a tile of 25-48 rows about 0.7 of a whole one or more (a third round of the cluster kernel
+ * at Mixtral T=1024): two folds paid there (1.12x), four lost (0.96x at T=4096: 61-95 rows over 3-4 tiles;
+ * NOTES.md v24). Returns m (0: no fold). */
+#ifndef PERMUTE_FOLD_TILES
+#define PERMUTE_FOLD_TILES 2
+#endif
+__device__ __forceinline__ int permute_folds(int c, int tile_m, int absorb) {
+    const int q = c / tile_m, r = c % tile_m;
+    if (q == 0 || r == 0 || absorb <= 0) return 0;
+    const int m = (r + absorb - 1) / absorb;
+    return m <= min(q, PERMUTE_FOLD_TILES) ? m : 0;
+}
+
+/* Tiles of an expert's c rows: ceil(c / tile_m), less the tile of its last rows where they fold */
 __device__ __forceinline__ int permute_tiles(int c, int tile_m, int absorb) {
-    const int r = c % tile_m;
-    return c / tile_m + (r > (c >= tile_m ? absorb : 0));
+    return c / tile_m + (c % tile_m != 0 && permute_folds(c, tile_m, absorb) == 0);
 }
 
 #define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk (one-block permutation) */
@@ -70,7 +83,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
         __syncthreads();
     }
     for (int e = e0; e < e1; e++) {
-        const int c = count[e], t = permute_tiles(c, tile_m, o.absorb);
+        const int c = count[e], t = permute_tiles(c, tile_m, o.absorb), m = permute_folds(c, tile_m, o.absorb);
         o.offsets[e] = pos;
         if (cursor) cursor[e] = pos;
         o.totals[e] += (unsigned long long)c;
@@ -90,8 +103,15 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
             odd_rank += t & 1;
         }
         for (int i = 0; i < t; i++) {
-            const int b = i * tile_m;
-            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, i == t - 1 ? pos + c : pos + b + tile_m, 0};
+            /* rows [b, end) of the expert's: whole tiles, the last one partial, or the last m folded ones
+             * sharing the r rows past the whole tiles (r / m each, one more for the first r % m) */
+            int b = i * tile_m, end = i == t - 1 ? c : b + tile_m;
+            if (i >= t - m) {
+                const int j = i - (t - m), r = c % tile_m, each = r / m, more = r % m;
+                b += j * each + min(j, more);
+                end = b + tile_m + each + (j < more);
+            }
+            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, pos + end, 0};
         }
         tile += t;
         pos += c;

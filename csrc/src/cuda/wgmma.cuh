@@ -442,7 +442,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 #endif
 
 /* An expert's last few rows, folded into its last whole tile (NOTES.md v23). permute_scan's `absorb` gives an
- * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows, instead of a
+ * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows (since v24 also
+ * r <= 2 WS_EXTRA_ROWS for q >= 2: the last two of about 128 + r / 2 each, permute_folds), instead of a
  * tile of its own for the r rows: such a tile's items read the expert's whole weight block for a few rows
  * and cost about what a full item costs (Mixtral T=1024: three 8-row tiles made the forward 1.22x longer,
  * NOTES.md v22 A). The producer gathers the extra rows into WS_EXTRA_ROWS rows at the front of each stage,
