@@ -4,17 +4,18 @@ same per-expert GEMMs (NOTES.md v22).
   python3 csrc/dev/cuda/tile_probe.py --lib PATH [--tokens 1024,4096] [--reps 30] [--json probe.json]
                                       [--extra 8,64] [--counts tiny8,bench] [--rows 128,152]
 
-Mixtral-shaped layer (bench_gpu.py's weights, seed 0), the routing given (topk_ids, topk_weights), so that
-the count of rows per expert is chosen: `even` (T*k/E rows each: no partial tile), `tinyR` (three experts
-R rows above it, the others below: three tiles of R rows more; R from --extra), `bench` (the bench's own
-draw: its router on its random tokens), `rowsR` (--rows: R rows per expert at T = 4R, e.g. 128 against 152
-to time a folded tile against a whole one). Each count is timed three ways, interleaved, one call of each per round, an L2
-flush before each call (bench_gpu.py's Timer): Colibri's graph replay; `cublas`, a CUDA graph of the bare
-per-expert GEMMs through torch (x_e @ [w1_e; w3_e]^T, silu * up, @ w2_e^T on tokens already grouped by
-expert: no routing, no gather, no combine); and Colibri's up and down kernels' durations (torch.profiler's
-kernel records of the replays, medians). Prints ms, the FLOP rate of the useful rows, and the tiles of 128 rows
-the counts take without a fold (ceil(count / 128) per expert; since NOTES.md v23 an expert at most 24 rows past
-whole tiles has one tile fewer in the library's table).
+Mixtral-shaped layer (bench_gpu.py's weights, seed 0), the routing given (topk_ids, topk_weights), so that the
+count of rows per expert is chosen: `even` (T*k/E rows each: no partial tile), `tinyR` (three experts R rows
+above it, the others below: three tiles of R rows more; R from --extra), `bench` (the bench's own draw: its
+router on its random tokens), `rowsR` (--rows: R rows per expert at T = 4R, e.g. 128 against 152 to time
+folded tiles against whole ones). Each count is timed three ways, interleaved, one call of each per round, an
+L2 flush before each call (bench_gpu.py's Timer): Colibri's graph replay; `cublas`, a CUDA graph of the bare
+per-expert GEMMs through torch (x_e @ [w1_e; w3_e]^T, silu * up, @ w2_e^T on tokens already grouped by expert:
+no routing, no gather, no combine); and Colibri's up and down kernels' durations (torch.profiler's kernel
+records of the replays, medians; they overlap through programmatic dependent launch, so they do not add up to
+the forward). Prints ms, the FLOP rate of the useful rows, and the tiles of 128 rows the counts take without a
+fold (ceil(count / 128) per expert; since NOTES.md v23 and v24 an expert up to 24 rows past whole tiles, or 48
+past two or more, has one tile fewer in the library's table).
 """
 import argparse
 import json
