@@ -20,10 +20,10 @@ struct PermuteArgs {
 
 /* With `absorb`, the r rows an expert has past q >= 1 whole tiles go with its last m = ceil(r / absorb) whole
  * tiles, at most `absorb` more rows each (128 + up to 24: wgmma_ws_kernel's folded tiles, NOTES.md v23),
- * instead of a tile of their own, where m is at most PERMUTE_FOLD_TILES and q. A folded item costs 1.2-1.4
- * plain ones and a tile of 25-48 rows about 0.7 of a whole one or more (a third round of the cluster kernel
- * at Mixtral T=1024): two folds paid there (1.12x), four lost (0.96x at T=4096: 61-95 rows over 3-4 tiles;
- * NOTES.md v24). Returns m (0: no fold). */
+ * instead of a tile of their own, where m is at most PERMUTE_FOLD_TILES and q. A folded item costs 1.2 plain
+ * ones (on the cluster kernel the other tile of its pair too, their rings moving in step), a tile of 25-48
+ * rows about 0.7 of a whole one or more: two folds paid at Mixtral T=1024 (1.07-1.16x), four lost (0.96x at
+ * T=4096: 61-95 rows over 3-4 tiles). NOTES.md v24 A, B, D. Returns m (0: no fold). */
 #ifndef PERMUTE_FOLD_TILES
 #define PERMUTE_FOLD_TILES 2
 #endif
