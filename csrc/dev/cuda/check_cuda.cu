@@ -741,13 +741,16 @@ int main(int argc, char **argv) {
      * tiles (up to WS_EXTRA_ROWS = 24 rows each, over at most PERMUTE_FOLD_TILES = 2 of them) and one past:
      * 24, 25, 48 and 49 rows past one tile (25-49: a tile of their own), 24, 33 (17 + 16) and 48 (24 + 24)
      * past two, 40 past three; and 67 past three, 90 and 78 past four, 2 and 1 past one and two (mc_deep,
-     * one_deep: folded over 3-4 tiles where PERMUTE_FOLD_TILES is set to 4). On the cluster kernel (at most 2
+     * one_deep: folded over 3-4 tiles where PERMUTE_FOLD_TILES is set to 4); 11 past one and three, 13 past
+     * one and two, 30 (15 + 15) past two and three, 44 (22 + 22) past two (mc_sized, one_sized: the folded
+     * products of 136 and 144 token rows, NOTES.md v25 A). On the cluster kernel (at most 2
      * tiles per expert on average) and on the one-block kernel (3 stages of k, the last partial), SWIGLU and
-     * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). NOTES.md v22-v24. */
+     * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). NOTES.md v22-v25. */
     const std::vector<int> mc_counts = {129, 144, 272, 145, 130, 0}, one_counts = {400, 390, 272, 130},
                            edge24 = {152, 153, 280, 256, 0, 79}, edge48 = {176, 177, 304, 289, 0, 2},
                            one48 = {424, 390, 272, 106}, mc_deep = {451, 602, 0, 130, 257, 0},
-                           one_deep = {451, 590, 130, 21};
+                           one_deep = {451, 590, 130, 21}, mc_sized = {139, 286, 300, 13, 269, 141},
+                           one_sized = {395, 414, 269, 114};
     for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16}) {
         if (quick && w == COLIBRI_DTYPE_F16) continue;
         for (colibri_expert_kind_t kind : {COLIBRI_EXPERT_SWIGLU, COLIBRI_EXPERT_LINEAR}) {
@@ -755,10 +758,12 @@ int main(int argc, char **argv) {
             run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 460, 0, rng, &edge24);
             run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 474, 0, rng, &edge48);
             run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 720, 0, rng, &mc_deep);
+            run_case({6, 2, 512, 1088}, kind, w, w, COUNTS, 0, 574, 0, rng, &mc_sized);
         }
         run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one_counts);
         run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one48);
         run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one_deep);
+        run_case({4, 2, 136, 520}, COLIBRI_EXPERT_SWIGLU, w, w, COUNTS, 0, 596, 0, rng, &one_sized);
     }
     /* back to back: decode (direct mode, the down projection with the combine folded in: T * k <= 8,
      * 16-byte rows), the scalar-x gemv (H = 1004), and T = 7 (tensor-core tiles, the route kernel's

@@ -4,7 +4,8 @@
  * wgmma_ws_kernel's consumers: two warpgroups per block, one block per SM, each warpgroup issuing a stage of
  * products (P products of N columns over 4 steps of k16), a commit, and wait_group 1, again and again.
  * Written to price a folded item (NOTES.md v24): plain items issue 4 x m64n256k16 a stage; folded ones
- * 8 x m64n152k16 (1.19x the multiply-adds).
+ * 8 x m64n152k16 (1.19x the multiply-adds); n136 and n144 priced the products sized to 8 and 16 extra rows
+ * (v25 A: 1.125x and 1.191x a plain stage, 1.06x per multiply-add).
  *
  *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o wgmma_rate csrc/dev/cuda/wgmma_rate.cu
  *   ./wgmma_rate        # one line per pattern: ms, TFLOP/s, and time per multiply-add against 4 x n256
@@ -62,6 +63,8 @@ __device__ __forceinline__ uint64_t desc(uint32_t saddr) {
 #define F_88(d) F_80(d), F8(d, 80)
 #define R_96 R_88 ", " R8_88
 #define F_96(d) F_88(d), F8(d, 88)
+#define R_68 R_64 ", %64, %65, %66, %67"
+#define F_68(d) F_64(d), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
 #define R_76 R_72 ", %72, %73, %74, %75"
 #define F_76(d) F_72(d), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75])
 #define R_128 R_96 ", " R8_96 ", " R8_104 ", " R8_112 ", " R8_120
@@ -75,6 +78,8 @@ __device__ __forceinline__ uint64_t desc(uint32_t saddr) {
 
 __device__ __forceinline__ void mma_64(float (&d)[32], uint64_t da, uint64_t db) { MMA(64, 32, 33); }
 __device__ __forceinline__ void mma_128(float (&d)[64], uint64_t da, uint64_t db) { MMA(128, 64, 65); }
+__device__ __forceinline__ void mma_136(float (&d)[68], uint64_t da, uint64_t db) { MMA(136, 68, 69); }
+__device__ __forceinline__ void mma_144(float (&d)[72], uint64_t da, uint64_t db) { MMA(144, 72, 73); }
 __device__ __forceinline__ void mma_152(float (&d)[76], uint64_t da, uint64_t db) { MMA(152, 76, 77); }
 __device__ __forceinline__ void mma_160(float (&d)[80], uint64_t da, uint64_t db) { MMA(160, 80, 81); }
 __device__ __forceinline__ void mma_176(float (&d)[88], uint64_t da, uint64_t db) { MMA(176, 88, 89); }
@@ -85,6 +90,8 @@ __device__ __forceinline__ void mma_256(float (&d)[128], uint64_t da, uint64_t d
 template <int N> __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t da, uint64_t db) {
     if constexpr (N == 64) mma_64(d, da, db);
     else if constexpr (N == 128) mma_128(d, da, db);
+    else if constexpr (N == 136) mma_136(d, da, db);
+    else if constexpr (N == 144) mma_144(d, da, db);
     else if constexpr (N == 152) mma_152(d, da, db);
     else if constexpr (N == 160) mma_160(d, da, db);
     else if constexpr (N == 176) mma_176(d, da, db);
@@ -162,6 +169,8 @@ int main(int argc, char **argv) {
     printf("%d SMs, %d stages of 4 k16 steps per warpgroup, two warpgroups per SM; best of 6\n", sms, stages);
     if (run<256, 1>("4 x m64n256k16 (plain item)", sms, stages, sink, ref)) return 1;
     if (run<152, 2>("8 x m64n152k16 (folded item)", sms, stages, sink, ref)) return 1;
+    if (run<136, 2>("8 x m64n136k16 (8 extra rows)", sms, stages, sink, ref)) return 1;
+    if (run<144, 2>("8 x m64n144k16 (16 extra rows)", sms, stages, sink, ref)) return 1;
     if (run<128, 2>("8 x m64n128k16", sms, stages, sink, ref)) return 1;
     if (run<176, 2>("8 x m64n176k16 (fold48)", sms, stages, sink, ref)) return 1;
     if (run<160, 2>("8 x m64n160k16", sms, stages, sink, ref)) return 1;

@@ -485,17 +485,25 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
  * themselves and the pairs' coupled k steps cost more than the halved L2 reads save: Mixtral T=2048 (4)
  * 0.99x, T=4096 (8) 0.98x, DeepSeek T=4096 (3) 0.97x, Qwen T=4096 (2.3) 0.97x. */
 #define WS_MC_MAX_TILES 2
+/* Where every item's k loop is long (hidden and intermediate sizes both at least WS_MC_LONG_K: 64 stages
+ * of 64 or more), the limit counts tiles with their folded rows, 128 + b->ws_fold each: the cluster kernel
+ * then takes Mixtral up to 2 x 152 rows per expert (T = 1216), where the one-block kernel was 1.02-1.18x
+ * slower (T = 1152, 1216; 280 rows per expert); with shorter k loops (DeepSeek-V2-Lite T = 3072, 2048 x
+ * 1408 experts) the cluster kernel was 0.97x there (NOTES.md v24 C, v25 B). */
+#define WS_MC_LONG_K 4096
 
 #if COLIBRI_TMA
-static bool ws_multicast(const colibri_moe_config_t *c, int64_t assignments) {
-    return !wg_streaming(c, assignments) && assignments <= (int64_t)WS_MC_MAX_TILES * WG_BM * c->num_experts;
+static bool ws_multicast(const colibri_moe_config_t *c, const CudaBackend *b, int64_t assignments) {
+    const bool long_k = c->hidden_size >= WS_MC_LONG_K && c->intermediate_size >= WS_MC_LONG_K;
+    const int64_t rows = WG_BM + (long_k ? b->ws_fold : 0);
+    return !wg_streaming(c, assignments) && assignments <= (int64_t)WS_MC_MAX_TILES * rows * c->num_experts;
 }
 #endif
 
 bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
 #if COLIBRI_TMA
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    return tile_m == WG_BM && b->ws_clusters > 0 && ws_multicast(&ctx->cfg, num_tokens * ctx->cfg.top_k);
+    return tile_m == WG_BM && b->ws_clusters > 0 && ws_multicast(&ctx->cfg, b, num_tokens * ctx->cfg.top_k);
 #else
     (void)ctx, (void)num_tokens, (void)tile_m;
     return false;
@@ -610,7 +618,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
             ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map))
             return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count,
-                                            ws_multicast(&ctx->cfg, assignments) ? b->ws_clusters : 0, stream);
+                                            ws_multicast(&ctx->cfg, b, assignments) ? b->ws_clusters : 0, stream);
         /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
         if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;
 #endif
