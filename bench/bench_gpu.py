@@ -4,6 +4,7 @@ layers, in one process. The copy bandwidth and the bf16 matmul rate are measured
 give the floor = max((bytes of the experts touched + activations) / copy BW, FLOPs / matmul rate).
 Every time is the median of many CUDA-event timings of one call, with L2 flushed before each call
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
+The weights are drawn with seed 0, each row's tokens with seed T: a row routes the same in every run.
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
@@ -202,9 +203,14 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
     del packed
     w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
     expert_bytes = per_expert * 2
+    gen = torch.Generator(device="cuda")
     try:
         for T in tokens:
-            x = torch.randn(T, H, device="cuda", dtype=dt)
+            # the tokens of a row, and so its rows per expert, depend on its shape and T alone (before v25 they
+            # came from the random stream after the run's earlier rows: the same T drew differently in runs
+            # of different --tokens)
+            gen.manual_seed(T)
+            x = torch.randn(T, H, device="cuda", dtype=dt, generator=gen)
             out = torch.empty_like(x)
 
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)
