@@ -48,6 +48,13 @@ def summary(run: dict) -> tuple[list[str], int, int]:
     return lines, met, len(run["rows"])
 
 
+def tick_labels(ts: list[int], most: int = 10) -> list[str]:
+    """Labels of the T axis: every T where there are at most `most`, else every n-th (n = ceil(len / most))
+    and the last, so that a sweep of many T stays readable."""
+    every = -(-len(ts) // most)
+    return [str(t) if i % every == 0 or i == len(ts) - 1 else "" for i, t in enumerate(ts)]
+
+
 def plot(run: dict, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")  # no display on servers and in CI
@@ -55,7 +62,8 @@ def plot(run: dict, path: str) -> None:
     import matplotlib.ticker
 
     shapes = list(dict.fromkeys(r["shape"] for r in run["rows"]))
-    fig, axes = plt.subplots(2, len(shapes), figsize=(4.6 * len(shapes), 7.2), squeeze=False, sharex="col")
+    # at least 9 inches wide: one shape's sweep of many T (bench_gpu.py --shapes X --tokens ...) gets room for its title
+    fig, axes = plt.subplots(2, len(shapes), figsize=(max(4.6 * len(shapes), 9.0), 7.2), squeeze=False, sharex="col")
     for col, shape in enumerate(shapes):
         rows = sorted((r for r in run["rows"] if r["shape"] == shape), key=lambda r: r["T"])
         ts = [r["T"] for r in rows]
@@ -81,7 +89,7 @@ def plot(run: dict, path: str) -> None:
         speed.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         speed.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         speed.set_xscale("log", base=2)
-        speed.set_xticks(ts, [str(t) for t in ts])
+        speed.set_xticks(ts, tick_labels(ts))
         speed.set_xlabel("tokens T")
         speed.grid(alpha=0.3, which="both")
         if col == 0:

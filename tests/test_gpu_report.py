@@ -57,9 +57,21 @@ def test_committed_run_matches_bench_readme(name, met):
     assert f"Met: {met} of 21" in (ROOT / "bench" / "README.md").read_text()
 
 
-def test_plot_writes_a_png(tmp_path):
+def test_tick_labels_thin_out_a_long_sweep():
+    assert gpu_report.tick_labels([1, 4, 16, 64, 256, 1024, 4096]) == ["1", "4", "16", "64", "256", "1024", "4096"]
+    ts = list(range(960, 2113, 64))  # 19 T: every other one, the first and the last labelled
+    labels = gpu_report.tick_labels(ts)
+    assert labels[0] == "960" and labels[1] == "" and labels[2] == "1088" and labels[-1] == "2112"
+    assert sum(1 for x in labels if x) == 10
+    labels = gpu_report.tick_labels(list(range(22)))  # 22: every third, and the last
+    assert [i for i, x in enumerate(labels) if x] == [0, 3, 6, 9, 12, 15, 18, 21]
+
+
+@pytest.mark.parametrize("name", ["gpu_h200_v13_decode.json",  # has --compare builds
+                                  "gpu_h200_v25_mixtral.json"])  # one shape, 19 T
+def test_plot_writes_a_png(tmp_path, name):
     pytest.importorskip("matplotlib")
-    run = json.loads((ROOT / "bench" / "gpu_h200_v13_decode.json").read_text())  # has --compare builds
+    run = json.loads((ROOT / "bench" / name).read_text())
     path = tmp_path / "run.png"
     gpu_report.plot(run, str(path))
     data = path.read_bytes()
