@@ -185,8 +185,16 @@ def random_layer(E, H, F):
     return w1, w3, w2, torch.randn(E, H, device="cuda") / H ** 0.5
 
 
+def row_tokens(T, H):
+    """The bf16 tokens [T, H] of a row, drawn with seed T: a row's tokens, and so its rows per expert, depend on
+    its shape and T alone (before v25 they came from the random stream after the run's earlier rows, and the
+    same T drew differently in runs of different --tokens). csrc/dev/cuda/ncu_forward.py profiles the same."""
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(T)
+    return torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
 def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, rows, tokens=TOKENS):
-    dt = torch.bfloat16
     w1, w3, w2, router = random_layer(E, H, F)
     packed = torch.cat([w1.reshape(E, -1), w3.reshape(E, -1), w2.reshape(E, -1)], dim=1).cpu()
     per_expert = 3 * H * F
@@ -203,14 +211,9 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
     del packed
     w1t, w3t, w2t = w1.transpose(1, 2), w3.transpose(1, 2), w2.transpose(1, 2)
     expert_bytes = per_expert * 2
-    gen = torch.Generator(device="cuda")
     try:
         for T in tokens:
-            # the tokens of a row, and so its rows per expert, depend on its shape and T alone (before v25 they
-            # came from the random stream after the run's earlier rows: the same T drew differently in runs
-            # of different --tokens)
-            gen.manual_seed(T)
-            x = torch.randn(T, H, device="cuda", dtype=dt, generator=gen)
+            x = row_tokens(T, H)
             out = torch.empty_like(x)
 
             ref = hf_eager(x, router, w1, w3, w2, k, renorm)

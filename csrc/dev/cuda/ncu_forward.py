@@ -4,7 +4,8 @@ under Nsight Compute, which then profiles each kernel of the replays alone (NOTE
   ncu --csv --page details --kernel-name regex:mma_kernel --clock-control none --section SpeedOfLight \\
       python3 csrc/dev/cuda/ncu_forward.py --lib build/libcolibri.so --shapes Qwen1.5-MoE --tokens 4
 
-Each forward runs once plainly and once as the captured graph (bench_gpu.capture), then --reps replays.
+Each forward runs once plainly and once as the captured graph (bench_gpu.capture), then --reps replays, on the
+bench's tokens of that T (bench_gpu.row_tokens).
 """
 import argparse
 import os
@@ -32,7 +33,7 @@ def main():
         ctx = decode_trace.setup(name, E, k, H, F, renorm, [("lib", lib)])["lib"]
         try:
             for T in [int(t) for t in args.tokens.split(",") if t]:
-                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                x = bg.row_tokens(T, H)  # the bench's tokens of this row
                 out = torch.empty_like(x)
                 graph = bg.capture(lib, ctx, T, x, out)
                 for _ in range(args.reps):
