@@ -742,8 +742,9 @@ int main(int argc, char **argv) {
      * 24, 25, 48 and 49 rows past one tile (25-49: a tile of their own), 24, 33 (17 + 16) and 48 (24 + 24)
      * past two, 40 past three; and 67 past three, 90 and 78 past four, 2 and 1 past one and two (mc_deep,
      * one_deep: folded over 3-4 tiles where PERMUTE_FOLD_TILES is set to 4); 11 past one and three, 13 past
-     * one and two, 30 (15 + 15) past two and three, 44 (22 + 22) past two (mc_sized, one_sized: the folded
-     * products of 136 and 144 token rows, NOTES.md v25 A). On the cluster kernel (at most 2
+     * one and two, 30 (15 + 15) past two and three, 44 (22 + 22) past two (mc_sized, one_sized: written for
+     * sized_fold.patch's products of 136 and 144 token rows, NOTES.md v25 A, which did not land; on main
+     * they are folds of 152 like the others). On the cluster kernel (at most 2
      * tiles per expert on average) and on the one-block kernel (3 stages of k, the last partial), SWIGLU and
      * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). NOTES.md v22-v25. */
     const std::vector<int> mc_counts = {129, 144, 272, 145, 130, 0}, one_counts = {400, 390, 272, 130},
