@@ -140,71 +140,97 @@ __device__ __forceinline__ void permute_place(int e, int i, int n, int *base, co
     __syncwarp();
 }
 
-/* Stable scatter of the assignments [c0, c0 + blockDim.x * ROUNDS) that are below n, by every thread of
- * one block: each warp ranks its 32 * ROUNDS assignments with __match_any_sync and takes its base from a
+/* Stable scatter of the assignments [c0, c0 + blockDim.x * rounds) that are below n, by every thread of
+ * one block: each warp ranks its 32 * rounds assignments with __match_any_sync and takes its base from a
  * per-warp, per-expert count, so within an expert positions follow t*k+j. cursor[e] (shared memory) is
- * expert e's next free position and advances. warp_base: [nwarps, E] ints, chunk_ids: [blockDim.x * ROUNDS]. */
+ * expert e's next free position and advances. warp_base: [nwarps, E] ints, chunk_ids: [blockDim.x * ROUNDS];
+ * rounds <= ROUNDS (the positions do not depend on it: the order within an expert is the assignments').
+ * loaded: chunk_ids already holds the chunk's ids (-1 for a bad id or past n). */
 template <int ROUNDS>
 __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int n, int E, const PermuteArgs &o,
-                                                int *cursor, int *warp_base, int *chunk_ids) {
+                                                int *cursor, int *warp_base, int *chunk_ids, int rounds = ROUNDS,
+                                                bool loaded = false) {
     const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int chunk = blockDim.x * ROUNDS;
-    for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-        const int e = c0 + i < n ? ids[c0 + i] : -1;
-        chunk_ids[i] = (unsigned)e < (unsigned)E ? e : -1;
-    }
+    const int chunk = blockDim.x * rounds;
+    if (!loaded)
+        for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
+            const int e = c0 + i < n ? ids[c0 + i] : -1;
+            chunk_ids[i] = (unsigned)e < (unsigned)E ? e : -1;
+        }
     for (int i = threadIdx.x; i < nwarps * E; i += blockDim.x) warp_base[i] = 0;
     __syncthreads();
-    /* warp w owns chunk_ids[w * 32 * ROUNDS, (w + 1) * 32 * ROUNDS) */
-    const int *mine = chunk_ids + warp * 32 * ROUNDS;
+    /* warp w owns chunk_ids[w * 32 * rounds, (w + 1) * 32 * rounds) */
+    const int *mine = chunk_ids + warp * 32 * rounds;
     int *base = warp_base + warp * E;
-    for (int r = 0; r < ROUNDS; r++) {
+    for (int r = 0; r < rounds; r++) {
         const int e = mine[r * 32 + lane];
         const unsigned same = __match_any_sync(0xffffffffu, e);
         if (e >= 0 && lane == __ffs(same) - 1) base[e] += __popc(same);
         __syncwarp();
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        int run = cursor[e];
-        for (int w = 0; w < nwarps; w++) {
-            const int c = warp_base[w * E + e];
-            warp_base[w * E + e] = run;
-            run += c;
+    /* each expert's warp counts into warp bases from cursor[e] on: a warp's shuffle scan over the (at most
+     * 32) warps per expert, experts spread over the warps */
+    for (int e = warp; e < E; e += nwarps) {
+        const int c = lane < nwarps ? warp_base[lane * E + e] : 0;
+        int incl = c;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += v;
         }
-        cursor[e] = run;
+        const int run = cursor[e];
+        if (lane < nwarps) warp_base[lane * E + e] = run + incl - c;
+        __syncwarp(); /* every lane has read cursor[e] */
+        if (lane == 31) cursor[e] = run + incl;
     }
     __syncthreads();
-    for (int r = 0; r < ROUNDS; r++) {
-        const int local = warp * 32 * ROUNDS + r * 32 + lane;
+    for (int r = 0; r < rounds; r++) {
+        const int local = warp * 32 * rounds + r * 32 + lane;
         permute_place(chunk_ids[local], c0 + local, n, base, o, lane);
     }
     __syncthreads();
 }
 
-/* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). */
+/* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). Where
+ * the assignments fit one chunk, every warp ranks ceil(n / threads) rounds of them (not PERMUTE_ROUNDS, which
+ * left most warps idle and the rest ranking 8 rounds in turn: n = 1536 on 32 warps is 2 rounds each on 24
+ * warps, against 8 on 6), and the ids are read once, into chunk_ids, by the histogram (NOTES.md v26 B). */
 __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
                                               int *smem) {
     const int nwarps = blockDim.x >> 5;
-    const int chunk = blockDim.x * PERMUTE_ROUNDS;
-    int *count = smem;                       /* [E] */
-    int *cursor = count + E;                 /* [E] next free position of each expert */
-    int *warp_base = cursor + E;             /* [nwarps, E] */
-    int *chunk_ids = warp_base + nwarps * E; /* [chunk] */
-    int *warp_sums = chunk_ids + chunk;      /* [32] */
+    const int fits = (n + (int)blockDim.x - 1) / (int)blockDim.x;
+    const bool one = fits <= PERMUTE_ROUNDS;
+    const int rounds = one ? max(fits, 1) : PERMUTE_ROUNDS, chunk = blockDim.x * rounds;
+    int *count = smem;                                   /* [E] */
+    int *cursor = count + E;                             /* [E] next free position of each expert */
+    int *warp_base = cursor + E;                         /* [nwarps, E] */
+    int *chunk_ids = warp_base + nwarps * E;             /* [blockDim.x * PERMUTE_ROUNDS] */
+    int *warp_sums = chunk_ids + blockDim.x * PERMUTE_ROUNDS; /* [32] */
 
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     bool bad = false;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int e = ids[i];
-        if ((unsigned)e < (unsigned)E) atomicAdd(&count[e], 1);
-        else bad = true;
+    if (one) {
+        for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
+            const int e = i < n ? ids[i] : -1;
+            const bool ok = (unsigned)e < (unsigned)E;
+            chunk_ids[i] = ok ? e : -1;
+            if (ok) atomicAdd(&count[e], 1);
+            else bad |= i < n;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const int e = ids[i];
+            if ((unsigned)e < (unsigned)E) atomicAdd(&count[e], 1);
+            else bad = true;
+        }
     }
     if (bad) *o.bad_id = 1;
     __syncthreads();
     permute_scan(count, E, tile_m, o, cursor, warp_sums, warp_base); /* warp_base: free until the scatter */
-    for (int c0 = 0; c0 < n; c0 += chunk) permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids);
+    for (int c0 = 0; c0 < n; c0 += chunk)
+        permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids, rounds, one);
 }
 
 /* At most this many assignments (T <= 8 in the route kernel's last block; the permute kernel's small
