@@ -534,14 +534,16 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     CUDA_OK(cudaGraphExecDestroy(exec));
     CUDA_OK(cudaGraphDestroy(graph));
 
-    /* ids out of range: slot 0 of every token gets E, -1 or E + 100 */
+    /* ids out of range: slot 0 of every token gets E, -1 or E + 100, and every slot of token 5 and of every
+     * 17th after it (an output row of zeros, which no expert's row reaches: fused_combine.patch, NOTES.md v26,
+     * had the permutation write it) */
     std::vector<int> ids((size_t)T * s.k);
     std::vector<float> wts((size_t)T * s.k, 0.5f);
     std::vector<uint64_t> want(s.E, 0), counts(s.E);
     for (int t = 0; t < T; t++)
         for (int j = 0; j < s.k; j++) {
             int e = (t * 7 + j * 3) % s.E;
-            if (j == 0) e = t % 3 == 0 ? s.E : t % 3 == 1 ? -1 : s.E + 100;
+            if (j == 0 || t % 17 == 5) e = t % 3 == 0 ? s.E : t % 3 == 1 ? -1 : s.E + 100;
             ids[(size_t)t * s.k + j] = e;
             if (e >= 0 && e < s.E) want[e]++;
         }
@@ -772,6 +774,11 @@ int main(int argc, char **argv) {
     for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16})
         for (int T : {1, 4, 7}) back_to_back(aligned, w, w, T, rng);
     back_to_back(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, 1, rng);
+    /* 128-row tiles on wgmma_ws_kernel, streaming (many, T=300) and compute-bound (aligned, T=513): its item
+     * counters, and the per-token counts of fused_combine.patch (NOTES.md v26), must be back at 0 when the
+     * next forward's kernels start */
+    back_to_back(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 300, rng);
+    back_to_back(aligned, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 513, rng);
     for (int T : {1, 2}) back_to_back(decode, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
     for (int T : {1, 2}) back_to_back(tall_odd, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
 
