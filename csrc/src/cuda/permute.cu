@@ -88,8 +88,8 @@ __global__ void permute_scatter_kernel(const int32_t *ids, int n, int E, Permute
     extern __shared__ int smem[];
     const int nwarps = blockDim.x >> 5, b = blockIdx.x;
     int *cursor = smem;                      /* [E] */
-    int *warp_base = cursor + E;             /* [nwarps, E] */
-    int *chunk_ids = warp_base + nwarps * E; /* [blockDim.x * ROUNDS] */
+    int *warp_base = cursor + E;                               /* [nwarps, permute_stride(E)] */
+    int *chunk_ids = warp_base + nwarps * permute_stride(E);   /* [blockDim.x * ROUNDS] */
     /* counts of chunks 0..b-1 per expert: `parts` threads per expert, each summing every parts-th chunk
      * (integers: the split does not change the sum); the partial sums go where warp_base and chunk_ids
      * will be, which hold at least max(E, blockDim.x) ints */

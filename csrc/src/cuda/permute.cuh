@@ -86,7 +86,9 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
         const int c = count[e], t = permute_tiles(c, tile_m, o.absorb), m = permute_folds(c, tile_m, o.absorb);
         o.offsets[e] = pos;
         if (cursor) cursor[e] = pos;
-        o.totals[e] += (unsigned long long)c;
+        /* a reduction, not a load and a store: the thread does not wait for the count's line (cold in L2
+         * after other work) before going on (NOTES.md v26 C) */
+        if (c) atomicAdd(&o.totals[e], (unsigned long long)c);
         /* table index of this expert's tile i < t - 1: first + i; of its last tile: last */
         int first = tile, last = tile + t - 1;
         if (o.pairs) {
@@ -140,28 +142,34 @@ __device__ __forceinline__ void permute_place(int e, int i, int n, int *base, co
     __syncwarp();
 }
 
+/* The row stride of the per-warp, per-expert counts ([nwarps, stride] ints): odd, so that the lanes of a warp
+ * reading one expert's counts of every warp (permute_scatter's scan) hit 32 different banks; with a stride of
+ * E = 64 they all hit one (NOTES.md v26 C). */
+__host__ __device__ inline int permute_stride(int E) { return E | 1; }
+
 /* Stable scatter of the assignments [c0, c0 + blockDim.x * rounds) that are below n, by every thread of
  * one block: each warp ranks its 32 * rounds assignments with __match_any_sync and takes its base from a
  * per-warp, per-expert count, so within an expert positions follow t*k+j. cursor[e] (shared memory) is
- * expert e's next free position and advances. warp_base: [nwarps, E] ints, chunk_ids: [blockDim.x * ROUNDS];
+ * expert e's next free position and advances. warp_base: [nwarps, permute_stride(E)] ints, chunk_ids:
+ * [blockDim.x * ROUNDS];
  * rounds <= ROUNDS (the positions do not depend on it: the order within an expert is the assignments').
  * loaded: chunk_ids already holds the chunk's ids (-1 for a bad id or past n). */
 template <int ROUNDS>
 __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int n, int E, const PermuteArgs &o,
                                                 int *cursor, int *warp_base, int *chunk_ids, int rounds = ROUNDS,
                                                 bool loaded = false) {
-    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = permute_stride(E);
     const int chunk = blockDim.x * rounds;
     if (!loaded)
         for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
             const int e = c0 + i < n ? ids[c0 + i] : -1;
             chunk_ids[i] = (unsigned)e < (unsigned)E ? e : -1;
         }
-    for (int i = threadIdx.x; i < nwarps * E; i += blockDim.x) warp_base[i] = 0;
+    for (int i = threadIdx.x; i < nwarps * S; i += blockDim.x) warp_base[i] = 0;
     __syncthreads();
     /* warp w owns chunk_ids[w * 32 * rounds, (w + 1) * 32 * rounds) */
     const int *mine = chunk_ids + warp * 32 * rounds;
-    int *base = warp_base + warp * E;
+    int *base = warp_base + warp * S;
     for (int r = 0; r < rounds; r++) {
         const int e = mine[r * 32 + lane];
         const unsigned same = __match_any_sync(0xffffffffu, e);
@@ -172,7 +180,7 @@ __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int 
     /* each expert's warp counts into warp bases from cursor[e] on: a warp's shuffle scan over the (at most
      * 32) warps per expert, experts spread over the warps */
     for (int e = warp; e < E; e += nwarps) {
-        const int c = lane < nwarps ? warp_base[lane * E + e] : 0;
+        const int c = lane < nwarps ? warp_base[lane * S + e] : 0;
         int incl = c;
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
@@ -180,7 +188,7 @@ __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int 
             if (lane >= off) incl += v;
         }
         const int run = cursor[e];
-        if (lane < nwarps) warp_base[lane * E + e] = run + incl - c;
+        if (lane < nwarps) warp_base[lane * S + e] = run + incl - c;
         __syncwarp(); /* every lane has read cursor[e] */
         if (lane == 31) cursor[e] = run + incl;
     }
@@ -204,8 +212,8 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     const int rounds = one ? max(fits, 1) : PERMUTE_ROUNDS, chunk = blockDim.x * rounds;
     int *count = smem;                                   /* [E] */
     int *cursor = count + E;                             /* [E] next free position of each expert */
-    int *warp_base = cursor + E;                         /* [nwarps, E] */
-    int *chunk_ids = warp_base + nwarps * E;             /* [blockDim.x * PERMUTE_ROUNDS] */
+    int *warp_base = cursor + E;                         /* [nwarps, permute_stride(E)] */
+    int *chunk_ids = warp_base + nwarps * permute_stride(E); /* [blockDim.x * PERMUTE_ROUNDS] */
     int *warp_sums = chunk_ids + blockDim.x * PERMUTE_ROUNDS; /* [32] */
 
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
@@ -314,7 +322,8 @@ __host__ __device__ inline bool permute_by_warp(int n, int E, const PermuteArgs 
 }
 
 static inline size_t permute_smem_bytes(int threads, int E) {
-    return sizeof(int) * ((size_t)2 * E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_ROUNDS + 32);
+    return sizeof(int) * ((size_t)2 * E + (size_t)(threads / 32) * permute_stride(E) + (size_t)threads * PERMUTE_ROUNDS +
+                          32);
 }
 
 #define PERMUTE_MULTI_ROUNDS 4 /* multi-block permutation (permute.cu): rounds of 32 per warp, one chunk a block */
@@ -331,7 +340,7 @@ static inline int permute_multi_blocks(int64_t n, int E) {
 static inline size_t permute_count_smem_bytes(int E) { return sizeof(int) * ((size_t)E + 32 + (E + 1) / 2); }
 static inline size_t permute_multi_smem_bytes(int E) {
     const int threads = permute_multi_threads(E);
-    return sizeof(int) * ((size_t)E + (size_t)(threads / 32) * E + (size_t)threads * PERMUTE_MULTI_ROUNDS);
+    return sizeof(int) * ((size_t)E + (size_t)(threads / 32) * permute_stride(E) + (size_t)threads * PERMUTE_MULTI_ROUNDS);
 }
 
 static inline PermuteArgs permute_args(const CudaBackend *b) {
