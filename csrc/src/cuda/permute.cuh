@@ -219,20 +219,13 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
     __syncthreads();
     bool bad = false;
-    if (one) {
-        for (int i = threadIdx.x; i < chunk; i += blockDim.x) {
-            const int e = i < n ? ids[i] : -1;
-            const bool ok = (unsigned)e < (unsigned)E;
-            chunk_ids[i] = ok ? e : -1;
-            if (ok) atomicAdd(&count[e], 1);
-            else bad |= i < n;
-        }
-    } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const int e = ids[i];
-            if ((unsigned)e < (unsigned)E) atomicAdd(&count[e], 1);
-            else bad = true;
-        }
+    /* one chunk: the ids go to chunk_ids as they are counted (-1 past n), for the scatter */
+    for (int i = threadIdx.x; i < (one ? chunk : n); i += blockDim.x) {
+        const int e = i < n ? ids[i] : -1;
+        const bool ok = (unsigned)e < (unsigned)E;
+        if (one) chunk_ids[i] = ok ? e : -1;
+        if (ok) atomicAdd(&count[e], 1);
+        else bad |= i < n;
     }
     if (bad) *o.bad_id = 1;
     __syncthreads();
