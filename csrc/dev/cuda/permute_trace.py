@@ -46,9 +46,7 @@ def main():
             g = bg.capture(lib, ctxs["t"], T, x, out)
             rows = []
             for _ in range(args.reps):
-                flush.zero_()
-                g.replay()
-                torch.cuda.synchronize()
+                dt.timed(g, flush, "zero")  # the bench's flush, one replay, its end waited for
                 buf = (ctypes.c_ulonglong * 16)()
                 assert take(ctypes.byref(buf)) == 0
                 rows.append([buf[i + 1] - buf[i] for i in range(7)] + [buf[7] - buf[0]])
