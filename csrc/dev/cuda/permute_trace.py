@@ -3,10 +3,15 @@ clock64 of block 0's thread 0 at each phase of permute_kernel; this replays the 
 shape at each T (bench_gpu.py's weights and seeded tokens, L2 flushed before each replay, as the bench does)
 and prints the median cycles of each phase. Rows whose assignments take permute_warp or the multi-block
 permutation (n <= 128 or n >= 4096) are not traced (their marks stay those of the last traced run).
+The patched kernel then runs the same steps a second time, their code warm in the SM's instruction caches
+(same outputs); its phases print beside the first pass's, so the difference is what fetching cold code costs
+(NOTES.md v27 B: nothing). The scan's phase is also split into its first loop, its block scans, its tile table.
+With -DPERMUTE_TOTALS_LAST as well, the patch adds the per-expert totals after the scatter instead of in the
+scan (a probe: the multi-block permutation then counts none).
 
   git apply csrc/dev/cuda/permute_trace.patch
   make lib CUDA_ARCH=90 CPPFLAGS="-Icsrc/include -Icsrc/src -D_POSIX_C_SOURCE=200809L -DPERMUTE_TRACE"
-  python3 csrc/dev/cuda/permute_trace.py build/libcolibri.so [--tokens 256,512] [--reps 30]
+  python3 csrc/dev/cuda/permute_trace.py build/libcolibri.so [--tokens 256,512] [--reps 30] [--flush read]
 """
 import argparse
 import ctypes
@@ -31,6 +36,8 @@ def main():
     ap.add_argument("--tokens", default="256,512")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default=",".join(s[0] for s in bg.SHAPES))
+    ap.add_argument("--flush", choices=("zero", "read"), default="zero",
+                    help="how L2 is emptied before each replay, as bench_gpu.py's --flush (zero: dirty lines left)")
     args = ap.parse_args()
     lib = bg.load_lib(args.lib)
     take = lib.colibri_permute_trace_take
@@ -46,15 +53,26 @@ def main():
             g = bg.capture(lib, ctxs["t"], T, x, out)
             rows = []
             for _ in range(args.reps):
-                dt.timed(g, flush, "zero")  # the bench's flush, one replay, its end waited for
-                buf = (ctypes.c_ulonglong * 16)()
+                dt.timed(g, flush, args.flush)  # the bench's flush, one replay, its end waited for
+                buf = (ctypes.c_ulonglong * 32)()
                 assert take(ctypes.byref(buf)) == 0
-                rows.append([buf[i + 1] - buf[i] for i in range(7)] + [buf[7] - buf[0]])
-            med = [statistics.median(r[i] for r in rows) for i in range(8)]
+                # the scan's own marks: [8] its first loop done, [9] its block scans, [10] the tile table
+                scan = [buf[8] - buf[2], buf[9] - buf[8], buf[10] - buf[9], buf[3] - buf[10]]
+                w = 16  # the second pass's marks
+                warm = [buf[w + i + 1] - buf[w + i] for i in range(1, 7)] if buf[w + 1] else [0] * 6
+                wscan = [buf[w + 8] - buf[w + 2], buf[w + 9] - buf[w + 8], buf[w + 10] - buf[w + 9],
+                         buf[w + 3] - buf[w + 10]] if buf[w + 1] else [0] * 4
+                rows.append([buf[i + 1] - buf[i] for i in range(7)] + [buf[7] - buf[0]] + warm + scan + wscan)
+            med = [statistics.median(r[i] for r in rows) for i in range(22)]
             print(f"{shape[0]} T={T} (n={T * shape[2]}): permute kernel {med[7]:.0f} cycles "
-                  f"({med[7] / 1980:.2f} us at 1.98 GHz), median of {args.reps}")
-            for name, c in zip(PHASES, med[:7]):
-                print(f"  {name:30s} {c:8.0f} cycles {c / 1980:6.2f} us")
+                  f"({med[7] / 1980:.2f} us at 1.98 GHz), median of {args.reps}; first pass, second (warm) pass")
+            for j, (name, c) in enumerate(zip(PHASES, med[:7])):
+                w = f"{med[7 + j]:8.0f}" if j else "       -"
+                print(f"  {name:30s} {c:8.0f} {w} cycles  {c / 1980:6.2f} us")
+            print(f"  {'after the wait':30s} {sum(med[1:7]):8.0f} {sum(med[8:14]):8.0f} cycles")
+            for j, name in enumerate(["scan: counts and tiles of its experts", "scan: block scans",
+                                      "scan: offsets, tile table, totals", "scan: the totals' row, return"]):
+                print(f"    {name:36s} {med[14 + j]:8.0f} {med[18 + j]:8.0f} cycles")
             del g
 
 
