@@ -62,6 +62,7 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->totals = c.take<unsigned long long>(E);
     b->bad_id = c.take<int32_t>(1);
     b->ws_sched = c.take<unsigned>(4);
+    b->ws_ready = c.take<unsigned>(positions + E);
     b->route_done = c.take<unsigned>(1);
     b->permute_hist = c.take<int32_t>(colibri_cuda_permute_chunks((int64_t)positions, cfg->num_experts) * E);
     b->permute_counts = c.take<int32_t>(E);

@@ -58,6 +58,7 @@ struct CudaBackend {
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
     unsigned *ws_sched;         /* [4] wgmma_ws_kernel's item counters: 0-1 the first projection's, 2-3 the second's */
+    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (wgmma.cuh, ws_chain_wait) */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */

@@ -616,9 +616,19 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         /* GLU: the map takes the up matrix as the gate matrix's next n rows */
         CUtensorMap map;
         if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
-            ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map))
+            ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
+#if COLIBRI_WS_CHAIN
+            /* a SWIGLU forward's two projections chained per tile (wgmma.cuh, ws_chain_wait): both run here, the
+             * maps of both having encoded at init (ws_fold; below, a table of 128-row tiles that does not
+             * run here is refused); the second waits for the first's column blocks of F in each tile */
+            if (!direct_ids && b->ws_fold > 0 && ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
+                a.ready = b->ws_ready;
+                a.ready_need = GLU ? 0 : (k + WG_BN / 2 - 1) / (WG_BN / 2);
+            }
+#endif
             return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count,
                                             ws_multicast(&ctx->cfg, b, assignments) ? b->ws_clusters : 0, stream);
+        }
         /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
         if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;
 #endif

@@ -62,6 +62,10 @@ struct ProjArgs {
     int32_t *bad_id;            /* likewise: set when an id is out of range */
     int32_t early;              /* second projection (direct mode, tensor cores): weights loaded before the wait */
     unsigned *sched;            /* wgmma_ws_kernel: its two counters (items asked for, blocks done), 0 between launches */
+    /* wgmma_ws_kernel chained (wgmma.cuh, ws_chain_wait): per tile, the first projection's items stored; the first
+     * projection adds to it (ready_need 0), the second waits for ready_need in it before it reads a tile */
+    unsigned *ready;
+    int32_t ready_need;
 };
 
 /* Direct mode: finds the blockIdx.x-th distinct valid expert of ids[0, n) in ascending id order, and

@@ -14,6 +14,7 @@ struct PermuteArgs {
     int32_t *num_tiles;
     unsigned long long *totals;
     int32_t *bad_id;
+    unsigned *ready; /* per tile: zeroed with the tile table, for wgmma_ws_kernel's chained projections */
     int pairs;  /* the tile table in MC pair order (permute_scan) */
     int absorb; /* > 0: an expert's rows past its whole tiles ride on its last ones, up to this many each */
 };
@@ -113,7 +114,9 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
                 b += j * each + min(j, more);
                 end = b + tile_m + each + (j < more);
             }
-            o.tiles[i == t - 1 ? last : first + i] = ExpertTile{e, pos + b, pos + end, 0};
+            const int at = i == t - 1 ? last : first + i;
+            o.tiles[at] = ExpertTile{e, pos + b, pos + end, 0};
+            o.ready[at] = 0;
         }
         tile += t;
         pos += c;
@@ -292,7 +295,10 @@ __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, i
         const int c = count[e];
         o.offsets[e] = pos;
         cursor[e] = pos;
-        for (int b = 0; b < c; b += tile_m) o.tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        for (int b = 0; b < c; b += tile_m) {
+            o.ready[tile] = 0;
+            o.tiles[tile++] = ExpertTile{e, pos + b, pos + min(b + tile_m, c), 0};
+        }
         pos += c;
     }
     __syncwarp();
@@ -345,6 +351,7 @@ static inline PermuteArgs permute_args(const CudaBackend *b) {
     o.num_tiles = b->num_tiles;
     o.totals = b->totals;
     o.bad_id = b->bad_id;
+    o.ready = b->ws_ready;
     o.pairs = 0;
     o.absorb = 0;
     return o;

@@ -577,6 +577,38 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
     }
 }
 
+/* Chained projections (NOTES.md v27 D): the second projection of a SWIGLU forward on wgmma_ws_kernel reads a tile's
+ * rows of inter once the first projection's items of that tile are stored, not once the whole first projection
+ * has ended (its grid dependency). The first projection's consumers count each stored item in ready[tile]
+ * (after a barrier of both warpgroups, one release reduction by one thread); the second projection's producer
+ * waits (one thread's acquire loads, then the producers' barrier) for ready_need, the first projection's column
+ * blocks, in ready[tile] before the item's first token-row loads, its first weights already asked for. The
+ * second projection's blocks become resident as the first projection's run out of items and start on the
+ * tiles already done instead of idling at a grid dependency through the first projection's last items: the
+ * first tiles, where the first projection has at most WG_GROUP_N column blocks (wg_item: F <= 2048, the
+ * fine-grained shapes), else those of its last group handed out first. Its griddepcontrol.wait moves to its
+ * end, so that it still completes after the first. The permutation zeroes ready[] with the tile table
+ * (permute.cuh). Measured 0.99-1.04x in two runs (Mixtral T=1024 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the
+ * same bits. COLIBRI_WS_CHAIN=0: the grid dependency. */
+#ifndef COLIBRI_WS_CHAIN
+#define COLIBRI_WS_CHAIN 1
+#endif
+__device__ __forceinline__ ExpertTile ws_tile(const ExpertTile *t) {
+    const int4 v = __ldcg(reinterpret_cast<const int4 *>(t));
+    return ExpertTile{v.x, v.y, v.z, v.w};
+}
+__device__ __forceinline__ void ws_chain_signal(unsigned *ready) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready) : "memory");
+}
+__device__ __forceinline__ void ws_chain_wait(const unsigned *ready, int need) {
+    for (;;) {
+        unsigned v;
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ready) : "memory");
+        if ((int)v >= need) return;
+        __nanosleep(128);
+    }
+}
+
 /* Waits until the phase of parity `parity` of the mbarrier at `bar` has completed (acquire, block scope).
  * A barrier just initialised counts its phase of parity 1 as complete. */
 __device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t parity) {
@@ -678,8 +710,19 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     constexpr int A_PER_T = WG_BM * 8 / P_THREADS, ROW_STEP = P_THREADS / 8;
     constexpr int X_PER_T = (WS_EXTRA_ROWS + ROW_STEP - 1) / ROW_STEP;
     constexpr uint32_t HALF_B = WG_B_BYTES / 2;
-    pdl_begin();
-    const int tiles = *a.num_tiles, nblocks = (a.n + COLS - 1) / COLS;
+    /* chained (ws_chain_wait): the first projection lets the second launch only past its own wait, so that the
+     * second finds the tile table complete; the second waits for the first at its end, not here */
+    const bool signal = a.ready && a.ready_need == 0, chained = a.ready && a.ready_need > 0;
+    if (chained) {
+        pdl_trigger();
+    } else if (signal) {
+        pdl_wait();
+        pdl_trigger();
+    } else {
+        pdl_begin();
+    }
+    /* from L2: a chained second projection reads the table before its dependency wait */
+    const int tiles = __ldcg(a.num_tiles), nblocks = (a.n + COLS - 1) / COLS;
     /* units of work: items (tile, column block), or with MC pairs of tiles x column blocks */
     const int pairs = MC ? (tiles + 1) >> 1 : tiles, items = pairs * nblocks;
     const int ktiles = (a.k + WG_BK - 1) / WG_BK;
@@ -716,7 +759,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         share = false;
         if constexpr (MC) {
             ti = 2 * q + (int)rank < tiles ? 2 * q + (int)rank : -1;
-            share = 2 * q + 1 < tiles && a.tiles[2 * q].expert == a.tiles[2 * q + 1].expert;
+            share = 2 * q + 1 < tiles && __ldcg(&a.tiles[2 * q].expert) == __ldcg(&a.tiles[2 * q + 1].expert);
         } else {
             ti = q;
         }
@@ -788,7 +831,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             int ti, nb;
             bool share;
             unit(it, ti, nb, share);
-            const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0}; /* none: no rows */
+            const ExpertTile tile = ti >= 0 ? ws_tile(a.tiles + ti) : ExpertTile{0, 0, 0, 0}; /* none: no rows */
             int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
 #pragma unroll
             for (int i = 0; i < A_PER_T; i++) {
@@ -830,6 +873,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                         ws_tma_rows(st + WG_A_BYTES + HALF_B, map, k0, row1, tile.expert, full);
                     }
                 }
+                if (chained && kt == 0 && ti >= 0) {
+                    /* the item's weights are asked for; its token rows (inter) once their tile is stored */
+                    if (p == 0) ws_chain_wait(a.ready + ti, a.ready_need);
+                    asm volatile("bar.sync 1, %0;" ::"n"(P_THREADS) : "memory");
+                }
                 const bool k_ok = k0 + c * 8 < a.k;
 #pragma unroll
                 for (int i = 0; i < A_PER_T; i++) {
@@ -857,6 +905,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         /* with MC the other block's consumers may still arrive on this block's barriers */
         if constexpr (MC) ws_cluster_sync();
 #endif
+        if (chained) pdl_wait(); /* completes after the first projection, as with the wait at the start */
         return;
     }
 
@@ -934,7 +983,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         int ti, nb;
         bool share;
         unit(it, ti, nb, share);
-        const ExpertTile tile = ti >= 0 ? a.tiles[ti] : ExpertTile{0, 0, 0, 0};
+        const ExpertTile tile = ti >= 0 ? ws_tile(a.tiles + ti) : ExpertTile{0, 0, 0, 0};
         const int col0 = nb * COLS;
         if (tile.end - tile.begin > WG_BM) {
             /* a folded tile (its extra rows at the stages' front): transposed products, direct stores */
@@ -944,6 +993,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             for (int i = 0; i < WS_EXTRA_ROWS; i++) xacc[i] = 0.0f;
             k_loop(std::integral_constant<int, 2>{});
             ws_store_folded<T, GLU>(acc, xacc, out, a.n, col0 + (GLU ? 64 : 128) * wg, tile);
+            if (signal) {
+                asm volatile("bar.sync 2, %0;" ::"n"(WG_THREADS) : "memory"); /* both warpgroups' stores issued */
+                if (tid == 0) ws_chain_signal(a.ready + ti);
+            }
             continue;
         }
         wg_products(tile, wg, acc, k_loop);
@@ -956,8 +1009,13 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             if (col0 + part * WS_OUT_COLS < a.n)
                 wg_store_part_direct<T, GLU, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
                                                                             col0 + part * WS_OUT_COLS, prow, tile.end);
+        if (signal) {
+            asm volatile("bar.sync 2, %0;" ::"n"(WG_THREADS) : "memory"); /* both warpgroups' stores issued */
+            if (tid == 0) ws_chain_signal(a.ready + ti);
+        }
     }
     if constexpr (MC) ws_cluster_sync();
+    if (chained) pdl_wait();
 #endif
 }
 #endif /* COLIBRI_TMA */
