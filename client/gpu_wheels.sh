@@ -18,11 +18,13 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $packages
 # tests/gpu_pytest.sh: the test runner, pinned as constraints.txt pins it for the CI, with its
 # dependencies (the image's pytest has plugins that do not load into this one: the script turns
-# plugin autoloading off).
+# plugin autoloading off), and cffi for the binding, which the H200's image lacks.
 mkdir -p .whl/pytest
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/pytest -c constraints.txt \
   pytest hypothesis safetensors
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl/pytest -c constraints.txt cffi pycparser
 bundler=$(readlink -f ../shared/tools/tritonserver-bundle.sh 2>/dev/null || true)
 [ -x "$bundler" ] || bundler=/work/shared/tools/tritonserver-bundle.sh
 [ -f .whl/tritonserver-py3.12.tar.xz ] || PATH="$PWD/.venv/bin:$PATH" bash "$bundler" .whl/tritonserver-py3.12.tar.xz 3.12
