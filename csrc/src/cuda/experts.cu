@@ -620,10 +620,17 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
 #if COLIBRI_WS_CHAIN
             /* a SWIGLU forward's two projections chained per tile (wgmma.cuh, ws_chain_wait): both run here, the
              * maps of both having encoded at init (ws_fold; below, a table of 128-row tiles that does not
-             * run here is refused); the second waits for the first's column blocks of F in each tile */
-            if (!direct_ids && b->ws_fold > 0 && ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
+             * run here is refused); the second waits for the first's column blocks of F in each tile. Where
+             * those are at most one group of WG_GROUP_N (F <= 2048), the first projection's items complete
+             * the tiles one after another (wg_item); else only where the cluster kernel runs: Mixtral's
+             * one-block kernel at 3-6 tiles per expert is bound by L2's bandwidth (NOTES.md v25 F), which
+             * the second projection's early items then take from its last ones (0.97-0.99x; 1.00x at 8
+             * tiles), where on the cluster kernel (2-2.25) they gained 1.02-1.04x (NOTES.md v27 D) */
+            const int32_t up_blocks = (ctx->cfg.intermediate_size + WG_BN / 2 - 1) / (WG_BN / 2);
+            if (!direct_ids && b->ws_fold > 0 && ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU &&
+                (up_blocks <= WG_GROUP_N || (b->ws_clusters > 0 && ws_multicast(&ctx->cfg, b, assignments)))) {
                 a.ready = b->ws_ready;
-                a.ready_need = GLU ? 0 : (k + WG_BN / 2 - 1) / (WG_BN / 2);
+                a.ready_need = GLU ? 0 : up_blocks;
             }
 #endif
             return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count,

@@ -588,8 +588,9 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
  * first tiles, where the first projection has at most WG_GROUP_N column blocks (wg_item: F <= 2048, the
  * fine-grained shapes), else those of its last group handed out first. Its griddepcontrol.wait moves to its
  * end, so that it still completes after the first. The permutation zeroes ready[] with the tile table
- * (permute.cuh). Measured 0.99-1.04x in two runs (Mixtral T=1024 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the
- * same bits. COLIBRI_WS_CHAIN=0: the grid dependency. */
+ * (permute.cuh). experts.cu's project() says where it runs (F <= 2048, or the cluster kernel); there
+ * 0.99-1.04x (Mixtral T=1024-1216 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the same bits.
+ * COLIBRI_WS_CHAIN=0: the grid dependency. */
 #ifndef COLIBRI_WS_CHAIN
 #define COLIBRI_WS_CHAIN 1
 #endif
