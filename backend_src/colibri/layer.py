@@ -182,7 +182,9 @@ class MoELayer:
         and kind (numpy -> numpy, torch -> torch, cupy -> cupy; capsules, other producers and bf16
         numpy-kind -> colibri.Tensor), or is written into `out` if given. On CUDA the work is
         enqueued on `stream` (int, cupy or torch stream; default: the input library's current
-        stream) and not waited for.
+        stream) and not waited for. The layer's GPU workspace serves one call at a time: calls on
+        different streams must be ordered by the caller (events, or a synchronisation), else they
+        race on it (colibri.h, colibri_moe_forward).
 
         NaN or Inf in hidden_states is computed (it reaches only its own token's output) unless
         check_finite: then it is refused, naming the first row that holds one. On CUDA that check

@@ -136,7 +136,10 @@ colibri_status_t colibri_moe_context_init(
  * workspace_tokens) leaves the earlier chunks' output written. On CUDA the call only enqueues work on `stream` (a cudaStream_t;
  * NULL = the legacy default stream), never synchronises and allocates nothing, so it can be captured
  * in a CUDA graph; there an id out of range contributes nothing and is recorded (see
- * colibri_moe_context_take_device_error). */
+ * colibri_moe_context_take_device_error). A context's device workspace serves one call at a time: the
+ * forwards and routings of one context must run in order on the GPU (one stream, or streams ordered by
+ * events); two that overlap race on it (wrong outputs, or a forward that never ends: its down projection
+ * waits on per-tile counters the other one resets). Separate contexts may run at once. */
 colibri_status_t colibri_moe_forward(
     colibri_moe_context_t *ctx,
     int64_t num_tokens,                   /* T >= 0 */
