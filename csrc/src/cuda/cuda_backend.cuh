@@ -35,6 +35,14 @@
 struct ExpertTile {
     int32_t expert, begin, end, pad;
 };
+static_assert(sizeof(ExpertTile) == 16, "a tile is one 16-byte load");
+
+/* A tile of the table, read from L2 in one 16-byte load: for a kernel that reads the table before its
+ * dependency wait, which must not meet lines an earlier kernel left in this SM's L1. */
+__device__ __forceinline__ ExpertTile colibri_tile_ldcg(const ExpertTile *t) {
+    const int4 v = __ldcg(reinterpret_cast<const int4 *>(t));
+    return ExpertTile{v.x, v.y, v.z, v.w};
+}
 
 struct CudaBackend {
     int device;

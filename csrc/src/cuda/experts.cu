@@ -101,12 +101,7 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
         pdl_trigger(); /* after the wait: the next kernel may read the tile table early */
     }
     if ((int)blockIdx.x >= __ldcg(a.num_tiles)) return;
-    static_assert(sizeof(ExpertTile) == sizeof(int4), "a tile is one 16-byte load");
-    ExpertTile tile;
-    {
-        const int4 t = __ldcg(reinterpret_cast<const int4 *>(a.tiles) + blockIdx.x);
-        tile = ExpertTile{t.x, t.y, t.z, t.w};
-    }
+    const ExpertTile tile = colibri_tile_ldcg(a.tiles + blockIdx.x);
     const int n0 = blockIdx.y * BN;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WARPS_N, wn = warp % WARPS_N;
@@ -617,6 +612,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         CUtensorMap map;
         if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
             ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
+            const int clusters = ws_multicast(&ctx->cfg, b, assignments) ? b->ws_clusters : 0;
 #if COLIBRI_WS_CHAIN
             /* a SWIGLU forward's two projections chained per tile (wgmma.cuh, ws_chain_wait): both run here, the
              * maps of both having encoded at init (ws_fold; below, a table of 128-row tiles that does not
@@ -628,13 +624,12 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
              * tiles), where on the cluster kernel (2-2.25) they gained 1.02-1.04x (NOTES.md v27 D) */
             const int32_t up_blocks = (ctx->cfg.intermediate_size + WG_BN / 2 - 1) / (WG_BN / 2);
             if (!direct_ids && b->ws_fold > 0 && ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU &&
-                (up_blocks <= WG_GROUP_N || (b->ws_clusters > 0 && ws_multicast(&ctx->cfg, b, assignments)))) {
+                (up_blocks <= WG_GROUP_N || clusters > 0)) {
                 a.ready = b->ws_ready;
                 a.ready_need = GLU ? 0 : up_blocks;
             }
 #endif
-            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count,
-                                            ws_multicast(&ctx->cfg, b, assignments) ? b->ws_clusters : 0, stream);
+            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, clusters, stream);
         }
         /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
         if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;

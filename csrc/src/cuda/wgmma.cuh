@@ -594,10 +594,6 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
 #ifndef COLIBRI_WS_CHAIN
 #define COLIBRI_WS_CHAIN 1
 #endif
-__device__ __forceinline__ ExpertTile ws_tile(const ExpertTile *t) {
-    const int4 v = __ldcg(reinterpret_cast<const int4 *>(t));
-    return ExpertTile{v.x, v.y, v.z, v.w};
-}
 __device__ __forceinline__ void ws_chain_signal(unsigned *ready) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready) : "memory");
 }
@@ -832,7 +828,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             int ti, nb;
             bool share;
             unit(it, ti, nb, share);
-            const ExpertTile tile = ti >= 0 ? ws_tile(a.tiles + ti) : ExpertTile{0, 0, 0, 0}; /* none: no rows */
+            const ExpertTile tile = ti >= 0 ? colibri_tile_ldcg(a.tiles + ti) : ExpertTile{0, 0, 0, 0}; /* none: no rows */
             int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
 #pragma unroll
             for (int i = 0; i < A_PER_T; i++) {
@@ -975,6 +971,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         if constexpr (MMA) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         release(prev);
     };
+    /* a chained first projection: tile ti's item is stored (both warpgroups' stores issued), counted once */
+    auto stored = [&](int ti) {
+        if (!signal) return;
+        asm volatile("bar.sync 2, %0;" ::"n"(WG_THREADS) : "memory");
+        if (tid == 0) ws_chain_signal(a.ready + ti);
+    };
     for (;;) {
         /* the item the producer loads next, written before its first stage's full phase completes (-1: none) */
         ws_wait(ws_full_bar(sbase, stage), parity);
@@ -984,7 +986,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         int ti, nb;
         bool share;
         unit(it, ti, nb, share);
-        const ExpertTile tile = ti >= 0 ? ws_tile(a.tiles + ti) : ExpertTile{0, 0, 0, 0};
+        const ExpertTile tile = ti >= 0 ? colibri_tile_ldcg(a.tiles + ti) : ExpertTile{0, 0, 0, 0};
         const int col0 = nb * COLS;
         if (tile.end - tile.begin > WG_BM) {
             /* a folded tile (its extra rows at the stages' front): transposed products, direct stores */
@@ -994,10 +996,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             for (int i = 0; i < WS_EXTRA_ROWS; i++) xacc[i] = 0.0f;
             k_loop(std::integral_constant<int, 2>{});
             ws_store_folded<T, GLU>(acc, xacc, out, a.n, col0 + (GLU ? 64 : 128) * wg, tile);
-            if (signal) {
-                asm volatile("bar.sync 2, %0;" ::"n"(WG_THREADS) : "memory"); /* both warpgroups' stores issued */
-                if (tid == 0) ws_chain_signal(a.ready + ti);
-            }
+            stored(ti);
             continue;
         }
         wg_products(tile, wg, acc, k_loop);
@@ -1010,10 +1009,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             if (col0 + part * WS_OUT_COLS < a.n)
                 wg_store_part_direct<T, GLU, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
                                                                             col0 + part * WS_OUT_COLS, prow, tile.end);
-        if (signal) {
-            asm volatile("bar.sync 2, %0;" ::"n"(WG_THREADS) : "memory"); /* both warpgroups' stores issued */
-            if (tid == 0) ws_chain_signal(a.ready + ti);
-        }
+        stored(ti);
     }
     if constexpr (MC) ws_cluster_sync();
     if (chained) pdl_wait();
