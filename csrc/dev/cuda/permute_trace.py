@@ -30,6 +30,17 @@ PHASES = ["wait (pdl_begin)", "histogram", "scan + tile table", "scatter: ids, z
           "warp-base scan", "place"]
 
 
+def pass_cycles(buf, w):
+    """Cycles of one pass whose marks start at buf[w] (the first pass 0, the warm second one 16): its six
+    phases after the wait (histogram .. place), and its scan in four parts ([w + 8] the scan's first loop
+    done, [w + 9] its block scans, [w + 10] its tile table). Zeros for a second pass that did not run."""
+    if w and not buf[w + 1]:
+        return [0] * 6, [0] * 4
+    phases = [buf[w + i + 1] - buf[w + i] for i in range(1, 7)]
+    scan = [buf[w + 8] - buf[w + 2], buf[w + 9] - buf[w + 8], buf[w + 10] - buf[w + 9], buf[w + 3] - buf[w + 10]]
+    return phases, scan
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lib")
@@ -56,13 +67,9 @@ def main():
                 dt.timed(g, flush, args.flush)  # the bench's flush, one replay, its end waited for
                 buf = (ctypes.c_ulonglong * 32)()
                 assert take(ctypes.byref(buf)) == 0
-                # the scan's own marks: [8] its first loop done, [9] its block scans, [10] the tile table
-                scan = [buf[8] - buf[2], buf[9] - buf[8], buf[10] - buf[9], buf[3] - buf[10]]
-                w = 16  # the second pass's marks
-                warm = [buf[w + i + 1] - buf[w + i] for i in range(1, 7)] if buf[w + 1] else [0] * 6
-                wscan = [buf[w + 8] - buf[w + 2], buf[w + 9] - buf[w + 8], buf[w + 10] - buf[w + 9],
-                         buf[w + 3] - buf[w + 10]] if buf[w + 1] else [0] * 4
-                rows.append([buf[i + 1] - buf[i] for i in range(7)] + [buf[7] - buf[0]] + warm + scan + wscan)
+                first, scan = pass_cycles(buf, 0)
+                warm, wscan = pass_cycles(buf, 16)
+                rows.append([buf[1] - buf[0]] + first + [buf[7] - buf[0]] + warm + scan + wscan)
             med = [statistics.median(r[i] for r in rows) for i in range(22)]
             print(f"{shape[0]} T={T} (n={T * shape[2]}): permute kernel {med[7]:.0f} cycles "
                   f"({med[7] / 1980:.2f} us at 1.98 GHz), median of {args.reps}; first pass, second (warm) pass")
