@@ -486,6 +486,13 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
  * slower (T = 1152, 1216; 280 rows per expert); with shorter k loops (DeepSeek-V2-Lite T = 3072, 2048 x
  * 1408 experts) the cluster kernel was 0.97x there (NOTES.md v24 C, v25 B). */
 #define WS_MC_LONG_K 4096
+/* The streaming projections (wg_streaming) of at most this many k elements run wgmma_ws_kernel's DRAIN
+ * kernel (4 stages in flight, each stage's products waited for): measured on the H200 (NOTES.md v28 A)
+ * DeepSeek-V2-Lite / Qwen1.5-MoE T = 1024 1.01-1.02x, T = 256 1.00-1.02x; on Mixtral (k = 4096 and 14336)
+ * T = 256 0.99x, and 0.98-0.99x even with its products left out. */
+#ifndef WS_DRAIN_MAX_K
+#define WS_DRAIN_MAX_K 2048
+#endif
 
 #if COLIBRI_TMA
 static bool ws_multicast(const colibri_moe_config_t *c, const CudaBackend *b, int64_t assignments) {
@@ -629,7 +636,8 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
                 a.ready_need = GLU ? 0 : up_blocks;
             }
 #endif
-            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, clusters, stream);
+            const bool drain = wg_streaming(&ctx->cfg, assignments) && k <= WS_DRAIN_MAX_K;
+            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, clusters, drain, stream);
         }
         /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
         if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;

@@ -426,16 +426,23 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  *    (cp.async.mbarrier.arrive.noinc) and producer thread 0's expected 32 KB of TMA bytes have arrived;
  *    its "empty" mbarrier when each of the 8 consumer warps has arrived once, after the products that
  *    read the slot are complete (wgmma.wait_group). The producer refills a slot after its empty phase.
- * So the loads run up to 3 stages ahead of the products whatever the tiles (wgmma_kernel: 2, or 3
- * with a drain at every stage), and through the epilogue. The producer gives its registers to the
- * consumers (setmaxnreg: 64 and 216 of the 168 per thread 384 threads start with, within the block's
- * 384 x 168; at 56 and 224 nvcc 13's ptxas spilled 4-28 bytes in the MC producer with the folded tiles'
- * extra rows, and a folded item's consumer holds 152 accumulators).
+ * So the loads run up to 3 stages ahead of the products (wgmma_kernel: 2, or 3 with a drain at every
+ * stage), and through the epilogue. With DRAIN each stage's products are waited for (wgmma.wait_group 0)
+ * and its slot released at once, so that the consumers hold no slot while they wait for the next stage's
+ * data: 4 stages (128 KB of weights) in flight. experts.cu's project() takes it for the streaming tiles of
+ * short k loops (NOTES.md v28 A). The producer gives its registers to the consumers (setmaxnreg: 64 and
+ * 216 of the 168 per thread 384 threads start with, within the block's 384 x 168; at 56 and 224 nvcc 13's
+ * ptxas spilled 4-28 bytes in the MC producer with the folded tiles' extra rows, and a folded item's
+ * consumer holds 152 accumulators).
  * The epilogue stages 64 output columns a round (2 rounds for SWIGLU's 128, 4 for a linear item's 256)
  * and stores them with 16-byte stores (wg_store_part_direct): the ring's stages hold a folded tile's
  * extra rows too (below), which leaves no room for wgmma_kernel's 128-column staging buffer. No
  * block-wide barrier after the start: the producer returns when its loads are issued. */
 #define WS_THREADS (WG_THREADS + 128)
+/* 0: no DRAIN kernel (timing) */
+#ifndef COLIBRI_WS_DRAIN
+#define COLIBRI_WS_DRAIN 1
+#endif
 #ifndef WS_PRODUCER_REGS
 #define WS_PRODUCER_REGS 64
 #define WS_CONSUMER_REGS 216
@@ -699,8 +706,9 @@ __device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k
  * and rank 0 takes the units from the counter and hands them to rank 1.
  * experts.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
  * with more, whose tiles share weight blocks in L2 well enough on one block each: NOTES.md v17 B). */
-template <class T, bool GLU, bool MC>
+template <class T, bool GLU, bool MC, bool DRAIN>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
+    static_assert(!(MC && DRAIN), "the cluster kernel runs the compute-bound tiles only");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int P_THREADS = WS_THREADS - WG_THREADS;
@@ -933,7 +941,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     auto k_loop = [&](auto mode_tag) {
         constexpr int MODE = (int)decltype(mode_tag)::value;
         constexpr bool MMA = MODE != 0;
-        int prev = -1;
+        [[maybe_unused]] int prev = -1; /* the slot whose products may still run (not with DRAIN) */
         for (int kt = 0; kt < ktiles; kt++) {
             ws_wait(ws_full_bar(sbase, stage), parity);
             if constexpr (MMA) {
@@ -959,17 +967,24 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     }
                 }
                 asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                if constexpr (DRAIN) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                else asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             }
-            release(prev);
-            prev = stage;
+            if constexpr (DRAIN) {
+                release(stage);
+            } else {
+                release(prev);
+                prev = stage;
+            }
             if (++stage == WG_STAGES) {
                 stage = 0;
                 parity ^= 1u;
             }
         }
-        if constexpr (MMA) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-        release(prev);
+        if constexpr (!DRAIN) {
+            if constexpr (MMA) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+            release(prev);
+        }
     };
     /* a chained first projection: tile ti's item is stored (both warpgroups' stores issued), counted once */
     auto stored = [&](int ti) {
@@ -1081,10 +1096,14 @@ static void *ws_encode_fn() {
 /* Sets up both kernels of (T, GLU); *clusters: how many clusters of two of the MC kernel fit at once
  * (0 where none would: the MC kernel is then not used). */
 template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters) {
-    cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         WS_SMEM_BYTES);
+    cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false, false>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES);
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             WS_SMEM_BYTES);
+    if (e != cudaSuccess) return e;
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
@@ -1098,7 +1117,7 @@ template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, wgmma_ws_kernel<T, GLU, true>, &cfg) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&n, wgmma_ws_kernel<T, GLU, true, false>, &cfg) != cudaSuccess) {
         (void)cudaGetLastError();
         n = 0;
     }
@@ -1122,19 +1141,23 @@ template <class T, bool GLU> static bool ws_tensor_map(void *encode, const ProjA
 }
 
 /* One block per SM (at most one per item the tile table can hold), as wgmma_launch; with `clusters` > 0,
- * that many clusters of two of the MC kernel (at most one per pair of tiles and column block). */
+ * that many clusters of two of the MC kernel (at most one per pair of tiles and column block); else, with
+ * `drain`, the kernel that drains every stage (DRAIN). */
 template <class T, bool GLU>
 static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, int64_t slots, int sms, int clusters,
-                                   cudaStream_t stream) {
+                                   bool drain, cudaStream_t stream) {
     constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
     const int64_t nblocks = (a.n + COLS - 1) / COLS;
     if (clusters > 0) {
         const int64_t most = (slots + 1) / 2 * nblocks;
-        return colibri_launch_clusters(wgmma_ws_kernel<T, GLU, true>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
+        return colibri_launch_clusters(wgmma_ws_kernel<T, GLU, true, false>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
                                        dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
     }
     const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    return colibri_launch(wgmma_ws_kernel<T, GLU, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
+    if (drain && COLIBRI_WS_DRAIN)
+        return colibri_launch(wgmma_ws_kernel<T, GLU, false, true>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map,
+                              a);
+    return colibri_launch(wgmma_ws_kernel<T, GLU, false, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
 }
 #endif /* COLIBRI_TMA */
