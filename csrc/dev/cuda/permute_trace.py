@@ -7,7 +7,8 @@ The patched kernel then runs the same steps a second time, their code warm in th
 (same outputs); its phases print beside the first pass's, so the difference is what fetching cold code costs
 (NOTES.md v27 B: nothing). The scan's phase is also split into its first loop, its block scans, its tile table.
 With -DPERMUTE_TOTALS_LAST as well, the patch adds the per-expert totals after the scatter instead of in the
-scan (a probe: the multi-block permutation then counts none).
+scan (a probe: the multi-block permutation then counts none); with -DPERMUTE_EARLY_TRIGGER the kernel lets the
+expert projection launch at its start, as before NOTES.md v28 B, instead of once the tile table is written.
 
   git apply csrc/dev/cuda/permute_trace.patch
   make lib CUDA_ARCH=90 CPPFLAGS="-Icsrc/include -Icsrc/src -D_POSIX_C_SOURCE=200809L -DPERMUTE_TRACE"
@@ -26,7 +27,7 @@ sys.path[:0] = [os.path.join(HERE, "..", "..", "..", "bench"), HERE]
 import bench_gpu as bg  # noqa: E402
 import decode_trace as dt  # noqa: E402  (bench_gpu.py's layers as contexts)
 
-PHASES = ["wait (pdl_begin)", "histogram", "scan + tile table", "scatter: ids, zeroed counts", "rank rounds",
+PHASES = ["wait (pdl_wait)", "histogram", "scan + tile table", "scatter: ids, zeroed counts", "rank rounds",
           "warp-base scan", "place"]
 
 

@@ -25,14 +25,18 @@
 #define PERMUTE_MULTI_MIN 4096
 #endif
 
+/* The expert projection after it (launched through programmatic dependent launch) may launch once the tile
+ * table is written, not at the start: its blocks' launch beside the table's steps made the first projection
+ * end 2-3 us later at T = 256 (fine-grained rows 1.01-1.02x; NOTES.md v28 B). It still waits for this
+ * kernel's end before it reads anything. */
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
-    pdl_begin();
+    pdl_wait();
     extern __shared__ int smem[];
     if (permute_by_warp(n, E, o)) {
-        if (threadIdx.x < 32) permute_warp(ids, n, E, tile_m, o, smem);
+        if (threadIdx.x < 32) permute_warp(ids, n, E, tile_m, o, smem, true);
         return;
     }
-    permute_block(ids, n, E, tile_m, o, smem);
+    permute_block(ids, n, E, tile_m, o, smem, true);
 }
 
 /* Multi-block pass 1: chunk histograms; the last block writes offsets and tiles (file header).

@@ -206,9 +206,10 @@ __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int 
 /* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). Where
  * the assignments fit one chunk, every warp ranks ceil(n / threads) rounds of them (not PERMUTE_ROUNDS, which
  * left most warps idle and the rest ranking 8 rounds in turn: n = 1536 on 32 warps is 2 rounds each on 24
- * warps, against 8 on 6), and the ids are read once, into chunk_ids, by the histogram (NOTES.md v26 B). */
+ * warps, against 8 on 6), and the ids are read once, into chunk_ids, by the histogram (NOTES.md v26 B).
+ * `trigger` (permute_kernel): the kernel's dependents may launch once the tile table is written. */
 __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
-                                              int *smem) {
+                                              int *smem, bool trigger = false) {
     const int nwarps = blockDim.x >> 5;
     const int fits = (n + (int)blockDim.x - 1) / (int)blockDim.x;
     const bool one = fits <= PERMUTE_ROUNDS;
@@ -233,6 +234,7 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
     if (bad) *o.bad_id = 1;
     __syncthreads();
     permute_scan(count, E, tile_m, o, cursor, warp_sums, warp_base); /* warp_base: free until the scatter */
+    if (trigger) pdl_trigger();
     for (int c0 = 0; c0 < n; c0 += chunk)
         permute_scatter<PERMUTE_ROUNDS>(ids, c0, n, E, o, cursor, warp_base, chunk_ids, rounds, one);
 }
@@ -247,9 +249,9 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
  * H200 (NOTES.md v18 B): at T=16 of DeepSeek-V2-Lite / Qwen1.5-MoE the permute kernel ended 4.1 / 2.2 us
  * sooner, at T=4 the route kernel 1.5 / 1.2 us sooner, 1.01-1.02x on those rows; a version that ranked
  * every assignment against every other by shuffles, with no shared memory (csrc/dev/cuda/permute_warp.patch),
- * ended 19-33 us later at T=16 and 8 us later at T=4. smem: 2 E ints. */
+ * ended 19-33 us later at T=16 and 8 us later at T=4. smem: 2 E ints. `trigger` as permute_block's. */
 __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
-                                             int *smem) {
+                                             int *smem, bool trigger = false) {
     constexpr int R = PERMUTE_WARP_MAX / 32;
     const int lane = threadIdx.x & 31;
     int *count = smem, *cursor = smem + E; /* [E], [E] */
@@ -301,6 +303,7 @@ __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, i
         }
         pos += c;
     }
+    if (trigger) pdl_trigger();
     __syncwarp();
     /* stable scatter: within an expert, assignments in their order */
 #pragma unroll
