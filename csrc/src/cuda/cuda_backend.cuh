@@ -144,7 +144,8 @@ __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)
 static inline bool colibri_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 
 /* Programmatic dependent launch (sm_90): every kernel of a forward lets the next one launch as soon as
- * all its blocks have started, and waits for the previous one to finish (with its writes visible)
+ * all its blocks have started (a few later: the permute kernel once its tile table is written, some expert
+ * projections past their own wait), and waits for the previous one to finish (with its writes visible)
  * before touching anything. The next kernel's launch and block scheduling then overlap this one's
  * tail instead of following it; at decode, where each kernel runs a few microseconds, that is most
  * of the gap between them. Elsewhere both are no-ops and the launch attribute is ignored. */

@@ -26,9 +26,9 @@
 #endif
 
 /* The expert projection after it (launched through programmatic dependent launch) may launch once the tile
- * table is written, not at the start: its blocks' launch beside the table's steps made the first projection
- * end 2-3 us later at T = 256 (fine-grained rows 1.01-1.02x; NOTES.md v28 B). It still waits for this
- * kernel's end before it reads anything. */
+ * table is written, not at the start: launched at the start, the first projection ended 1.7-3.1 us later at
+ * T = 256 (fine-grained T = 64-256 1.01-1.02x; the permutation's own cycles the same either way, so why is
+ * not known: NOTES.md v28 B). It still waits for this kernel's end before it reads anything. */
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
     pdl_wait();
     extern __shared__ int smem[];
