@@ -489,7 +489,7 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
 /* The streaming projections (wg_streaming) of at most this many k elements run wgmma_ws_kernel's DRAIN
  * kernel (4 stages in flight, each stage's products waited for): measured on the H200 (NOTES.md v28 A)
  * DeepSeek-V2-Lite / Qwen1.5-MoE T = 1024 1.01-1.02x, T = 256 1.00-1.02x; on Mixtral (k = 4096 and 14336)
- * T = 256 0.99x, and 0.98-0.99x even with its products left out. */
+ * T = 256 0.99x, and 0.98-0.99x even with its products left out. 0: never (timing). */
 #ifndef WS_DRAIN_MAX_K
 #define WS_DRAIN_MAX_K 2048
 #endif

@@ -439,10 +439,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  * extra rows too (below), which leaves no room for wgmma_kernel's 128-column staging buffer. No
  * block-wide barrier after the start: the producer returns when its loads are issued. */
 #define WS_THREADS (WG_THREADS + 128)
-/* 0: no DRAIN kernel (timing) */
-#ifndef COLIBRI_WS_DRAIN
-#define COLIBRI_WS_DRAIN 1
-#endif
 #ifndef WS_PRODUCER_REGS
 #define WS_PRODUCER_REGS 64
 #define WS_CONSUMER_REGS 216
@@ -1155,7 +1151,7 @@ static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, in
     }
     const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    if (drain && COLIBRI_WS_DRAIN)
+    if (drain)
         return colibri_launch(wgmma_ws_kernel<T, GLU, false, true>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map,
                               a);
     return colibri_launch(wgmma_ws_kernel<T, GLU, false, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
