@@ -22,7 +22,7 @@
  *  - flat: every byte read into registers by a grid-stride loop (8 loads in flight per thread);
  *  - copy: cudaMemcpyAsync of the same 1.88 GB to another buffer, counted as bench_gpu.py counts its copy rate
  *    (bytes read + written over the time).
- * One block per SM (the ring kernels take enough shared memory for that; "x2": two blocks of half the ring).
+ * One block per SM (the ring kernels take enough shared memory for that; "x2": two blocks per SM, each with its own ring of the stages named).
  * Timed by CUDA events around each launch after an L2 flush (a 512 MB memset, as bench_gpu.py), the variants
  * interleaved round by round; prints the median time and the rate (bytes read / time) of each.
  */
@@ -152,7 +152,7 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void *src) {
 /* 256 threads, stages of BK k of the item's 256 rows; thread t copies chunks t + 256 i (row c / (BK / 8)) */
 template <int BK, int STAGES> __global__ void __launch_bounds__(256) cp_kernel(const char *w, unsigned *sink) {
     extern __shared__ char smem_raw[];
-    constexpr int CPR = BK / 8, PER_T = 256 * CPR / 256, SB = 256 * BK * 2;
+    constexpr int CPR = BK / 8, SB = 256 * BK * 2; /* 256 rows of CPR chunks over 256 threads: CPR chunks each */
     const uint32_t base = ((uint32_t)__cvta_generic_to_shared(smem_raw) + 1023u) & ~1023u;
     const int tid = threadIdx.x;
     const int my_items = (ITEMS - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -164,7 +164,7 @@ template <int BK, int STAGES> __global__ void __launch_bounds__(256) cp_kernel(c
             const size_t row_g = (size_t)e * 2 * N + nb * ROWS_PER_ITEM;
             const uint32_t st = base + (uint32_t)(s % STAGES) * SB;
 #pragma unroll
-            for (int i = 0; i < PER_T; i++) {
+            for (int i = 0; i < CPR; i++) {
                 const int c = tid + 256 * i, r = c / CPR, col = c % CPR;
                 const size_t row = r < ROWS_PER_ITEM ? row_g + r : row_g + N + (r - ROWS_PER_ITEM);
                 cp16(st + (uint32_t)c * 16, w + (row * K + (size_t)ks * BK) * 2 + col * 16);
