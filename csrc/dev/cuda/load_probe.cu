@@ -255,16 +255,12 @@ int main(int argc, char **argv) {
     /* the opt-in limit counts the kernel's static barriers too, so the dynamic part gets what they leave */
     int optin = 0;
     CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-    auto allow = [&](const void *k) {
-        cudaFuncAttributes a;
-        CHECK(cudaFuncGetAttributes(&a, k));
-        CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)a.sharedSizeBytes));
-        return 0;
-    };
-    allow((const void *)ring_kernel<0>);
-    allow((const void *)ring_kernel<1>);
-    allow((const void *)ring_kernel<2>);
-    allow((const void *)ring_kernel<3>);
+    for (const void *k : {(const void *)ring_kernel<0>, (const void *)ring_kernel<1>, (const void *)ring_kernel<2>,
+                          (const void *)ring_kernel<3>}) {
+        cudaFuncAttributes fa;
+        CHECK(cudaFuncGetAttributes(&fa, k));
+        CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, optin - (int)fa.sharedSizeBytes));
+    }
     std::vector<Variant> vs;
     /* per block: the ring plus 1 KB for the alignment; at least 116 KB so that one block fits per SM (x2: 2) */
     auto ring = [&](int mode, int promo_i, int piece, int stages, int per_sm) {
