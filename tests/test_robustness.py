@@ -311,6 +311,10 @@ def m_routing_datatype(draw, request, oracle, rng):
     return f"{t.name} as {t.datatype}"
 
 
+# The smallest dim m_shape_disagrees_with_data declares, only for binary data; m_json_data leaves such tensors alone
+HUGE_DIM = 2**31
+
+
 def m_shape_disagrees_with_data(draw, request, oracle, rng):
     t = draw(st.sampled_from(request.inputs))
     shape = t.declared_shape()
@@ -318,7 +322,7 @@ def m_shape_disagrees_with_data(draw, request, oracle, rng):
     # Huge dims only where the data travels as bytes: with JSON "data", Triton 2.51 allocates the declared
     # size before reading it (see test_json_declaring_a_huge_tensor_kills_triton_2_51). And no batch dim
     # of 2**32 or more: Triton 2.51 reads it modulo 2**32 (the model then sees a consistent tensor).
-    huge = ([2**31, 2**32 - 1] if dim == 0 else [2**31, 2**40]) if t.binary else []
+    huge = ([HUGE_DIM, 2**32 - 1] if dim == 0 else [HUGE_DIM, 2**40]) if t.binary else []
     shape[dim] = draw(st.sampled_from([shape[dim] + 1, shape[dim] * 2 + 1, -1] + huge))
     t.shape = shape
     return f"{t.name} declared {shape}, data {list(t.values.shape)}"
@@ -421,7 +425,7 @@ def m_json_data(draw, request, oracle, rng):
     m_shape_disagrees_with_data declared with a huge dim (it gives those only to binary data): as JSON "data",
     Triton 2.51 allocates its declared size first (16 GiB for [2**31, 2] INT32), which can take the answer past
     TIMEOUT_S or end the server (test_json_declaring_a_huge_tensor_kills_triton_2_51)."""
-    fits = [t for t in request.inputs if all(d < 2**31 for d in t.declared_shape())]
+    fits = [t for t in request.inputs if all(d < HUGE_DIM for d in t.declared_shape())]
     if not fits:
         raise NotApplicable("every tensor declared with a huge dim")
     t = draw(st.sampled_from(fits))
