@@ -3,6 +3,7 @@
 #   make test       C tests + pytest suite (CPU; GPU tests run when a GPU is present)
 #   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
 #   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
+#   make examples   build examples/hello_colibri.c against build/libcolibri.a and run it on a demo checkpoint
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
 #   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
@@ -54,7 +55,7 @@ LIB_SO      := $(BUILD)/libcolibri.so
 LIB_A       := $(BUILD)/libcolibri.a
 C_TESTS     := $(patsubst csrc/tests/%.c,$(BUILD)/tests/%,$(wildcard csrc/tests/*.c))
 
-.PHONY: all lib ctests python venv test test-c test-py serve bench clean help test-asan test-valgrind fuzz check-cuda11
+.PHONY: all lib ctests python venv test test-c test-py serve bench examples clean help test-asan test-valgrind fuzz check-cuda11
 all: lib ctests python
 	@echo "colibri: CPU backend built; CUDA backend $(CUDA_STATE)"
 	@echo "colibri: $(LIB_SO) $(LIB_A) $(notdir $(C_TESTS)) $(if $(wildcard $(PY)),python extension,python extension not built (run make venv))"
@@ -144,6 +145,27 @@ bench: venv lib
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m colibri bench
 
+# The C example, linked as README "Using the C library" says, run on a demo checkpoint (the venv only
+# writes that file). With the CUDA backend it is compiled with the CUDA runtime and, where a GPU is
+# visible, runs on it too.
+EXAMPLE_CUDA := $(filter-out $(BUILD)/obj/src/cuda_stub.o,$(BACKEND_OBJS))
+EXAMPLE_DEMO := $(BUILD)/examples/demo.colibri.safetensors
+$(BUILD)/examples/hello_colibri: examples/hello_colibri.c $(LIB_A) csrc/include/colibri.h
+	@mkdir -p $(dir $@)
+	$(CC) -Icsrc/include $(filter-out -fPIC,$(CFLAGS)) $(if $(EXAMPLE_CUDA),-DHELLO_COLIBRI_CUDA -I$(CUDA_LIBDIR)/../include) -c $< -o $@.o
+	$(LINK) -o $@ $@.o $(LIB_A) $(LDLIBS)
+
+$(EXAMPLE_DEMO): | $(VENV)/.installed
+	$(MAKE) --no-print-directory python
+	@mkdir -p $(dir $@)
+	$(PY) -m colibri demo --out $@
+
+examples: $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO)
+	$(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cpu
+	@if [ -n "$(EXAMPLE_CUDA)" ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
+	  echo "$(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda"; \
+	  $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda; fi
+
 # Headless Locust against a server already up (`make serve`; it starts none): Locust's CSVs,
 # summary.json, latency.png and the table, in LOADTEST_OUT. LOADTEST_STEPS=1,4,16,64 steps the users
 # (LOADTEST_STEP_TIME s each) for P99 against concurrency. Settings: loadtest/run.py --help.
@@ -161,7 +183,7 @@ clean:
 	rm -rf $(BUILD) build-asan build-valgrind build-fuzz backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
 
 help:
-	@sed -n '2,8p' Makefile
+	@awk 'NR > 1 && !/^#/ { exit } NR > 1' Makefile
 
 # The CUDA 11.8 promise (cupy-cuda11x and tritonserver 22.12 stacks): compile the CUDA sources with
 # CUDA 11.8's nvcc, which csrc/dev/cuda/check_cuda11.sh fetches into build-cuda11/ (CI runs it).
