@@ -2,6 +2,7 @@
 #   make            libcolibri (CPU always; CUDA when nvcc is found), C tests, the Python extension
 #   make test       C tests + pytest suite (CPU; GPU tests run when a GPU is present)
 #   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
+#                   (WEIGHTS= DEVICE=auto|cpu|gpu DTYPE= BIND= HTTP_PORT= GRPC_PORT= METRICS_PORT= SERVE_ARGS=)
 #   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
 #   make examples   build examples/hello_colibri.c against build/libcolibri.a and run it on a demo checkpoint
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
@@ -68,13 +69,16 @@ $(BUILD)/obj/%.o: csrc/%.c $(HEADERS)
 
 $(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
+	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (experts.cu about 8 on 2 cores); CUDA=0 skips the CUDA backend"
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 
+# Libraries are written beside their target and renamed over it: a server that has the old one
+# loaded keeps a valid mapping (rewriting a loaded .so in place crashes the process using it).
 $(LIB_SO): $(OBJS)
-	$(LINK) -shared -o $@ $^ $(LDLIBS)
+	$(LINK) -shared -o $@.partial $^ $(LDLIBS) && mv -f $@.partial $@
 
 $(LIB_A): $(OBJS)
-	rm -f $@ && ar rcs $@ $^
+	rm -f $@.partial && ar rcs $@.partial $^ && mv -f $@.partial $@
 
 $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -85,12 +89,20 @@ ctests: $(C_TESTS)
 
 # The Python environment: every pin comes from constraints.txt. The colibri package is installed
 # editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it.
+# GPU arrays on the serving path are cupy's, chosen by the host's NVIDIA driver: CUDA 12 wheels need
+# R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
+# cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
+# cupy-cuda11x overrides the choice.
+NVIDIA_DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
+CUPY ?= $(if $(NVIDIA_DRIVER),$(shell [ $(NVIDIA_DRIVER) -ge 525 ] && echo cupy-cuda12x || { [ $(NVIDIA_DRIVER) -ge 450 ] && echo cupy-cuda11x || echo none; }),none)
+CUPY_PACKAGES := $(if $(filter cupy-cuda12x,$(CUPY)),cupy-cuda12x nvidia-cuda-nvrtc-cu12,$(if $(filter cupy-cuda11x,$(CUPY)),cupy-cuda11x nvidia-cuda-nvrtc-cu11))
 $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest hypothesis safetensors setuptools wheel \
-	  locust matplotlib
+	  locust matplotlib $(CUPY_PACKAGES)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
+	@echo "colibri: venv $(VENV): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
 	touch $@
 venv: $(VENV)/.installed
 
@@ -136,9 +148,15 @@ fuzz: build-fuzz/fuzz_moe
 	  build-fuzz/corpus > build-fuzz/fuzz.log 2>&1 || { tail -60 build-fuzz/fuzz.log; exit 1; }
 	@grep -E "^INFO: Loaded|^#[0-9]+ +DONE|^stat::number_of_executed" build-fuzz/fuzz.log
 
+# make serve WEIGHTS=layer0.colibri.safetensors DEVICE=gpu DTYPE=bf16 HTTP_PORT=9000 ... ; any other
+# launcher option (`$(PY) -m colibri serve --help`) through SERVE_ARGS="--instances 2".
+SERVE_OPTS = $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DEVICE),--device $(DEVICE)) $(if $(DTYPE),--dtype $(DTYPE)) \
+             $(if $(BIND),--host $(BIND)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) \
+             $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) $(SERVE_ARGS)
 serve: venv lib
 	$(MAKE) --no-print-directory python
-	$(PY) -m colibri serve
+	@echo "colibri: serving with $(LIB_SO): CPU backend, CUDA backend $(CUDA_STATE)"
+	$(PY) -m colibri serve $(strip $(SERVE_OPTS))
 
 bench: venv lib
 	$(MAKE) --no-print-directory python

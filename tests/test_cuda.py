@@ -52,17 +52,33 @@ def test_torch_graph_replay_is_bitwise_eager(rng, T):
 
 
 @needs_gpu
-def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, monkeypatch, tmp_path):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, monkeypatch, tmp_path, dtype):
     """model.py on a GPU instance, hidden states on the GPU (as CUDA shared memory gives them) and on
-    the host (plain gRPC/HTTP) in one batch: the requests holding a NaN or an Inf are refused naming
-    their row, the others answered as alone, and each joined forward's check (one per routing kind
-    in the batch) copies to the host once, however many requests it joins."""
-    torch = pytest.importorskip("torch")
+    the host (plain gRPC/HTTP) in one batch, joined with cupy (torch is never imported: a finder
+    refuses it here): the requests holding a NaN or an Inf are refused naming their row, the others
+    answered as alone, and each joined forward's check (one per routing kind in the batch) copies
+    to the host once, however many requests it joins."""
+    cupy = pytest.importorskip("cupy")
+    import sys
     from colibri import checkpoint
     from colibri import layer as layer_module
+    from colibri.dtypes import float32_to_bf16
     from fake_backend import load_model, request
     from test_model_py import check_answers, mixed_batch
 
+    blocked = []
+
+    class NoTorch:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name.split(".")[0] == "torch":
+                blocked.append(name)
+                raise ImportError("torch is blocked: the serving path must not import it")
+
+    monkeypatch.setattr(sys, "meta_path", [NoTorch()] + sys.meta_path)
+    for name in [n for n in sys.modules if n.split(".")[0] == "torch"]:
+        monkeypatch.delitem(sys.modules, name)
     weights = tmp_path / "gpu.colibri.safetensors"
     checkpoint.write_demo(weights, experts=8, top_k=2, hidden=64, intermediate=96, dtype="bf16", seed=3)
     model = load_model(monkeypatch, weights, kind="GPU")
@@ -70,13 +86,26 @@ def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, m
     copies = []
     to_host = layer_module._device_to_host
     monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+
+    def wire(name, array):  # bf16 hidden states travel as their bits, read as bf16 through DLPack
+        if dtype == "bf16" and name == "hidden_states":
+            return colibri.Tensor.from_numpy(float32_to_bf16(array), "bf16")
+        return array
+
+    def on_gpu(name, array):
+        if dtype == "bf16" and name == "hidden_states":
+            bits = cupy.asarray(float32_to_bf16(array))
+            return colibri.Tensor(bits, bits.data.ptr, bits.shape, "bf16", colibri.dlpack.KDL_CUDA, 0)
+        return cupy.asarray(array)
+
     for _ in range(3):
         batch = mixed_batch(rng, layer)
-        on_gpu = [{name: torch.from_numpy(a).cuda() if n % 4 else a for name, a in arrays.items()}
-                  for n, (arrays, _) in enumerate(batch)]
+        arrivals = [{name: on_gpu(name, a) if n % 4 else wire(name, a) for name, a in arrays.items()}
+                    for n, (arrays, _) in enumerate(batch)]
         copies.clear()
-        responses = model.execute([request(**arrays) for arrays in on_gpu])
+        responses = model.execute([request(**arrays) for arrays in arrivals])
         kinds = {"topk_ids" in arrays for arrays, _ in batch}
         assert len(copies) == len(kinds), f"{len(copies)} copies to the host for {len(kinds)} joined forwards"
-        gpu_batch = [({name: torch.from_numpy(a).cuda() for name, a in arrays.items()}, bad) for arrays, bad in batch]
-        check_answers(responses, gpu_batch, layer, limit=error_limit("fp32", "bf16"))
+        gpu_batch = [({name: on_gpu(name, a) for name, a in arrays.items()}, bad) for arrays, bad in batch]
+        check_answers(responses, gpu_batch, layer, limit=error_limit(dtype, "bf16"))
+    assert blocked == []

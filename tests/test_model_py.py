@@ -43,7 +43,9 @@ def mixed_batch(rng, layer, T_max=9):
 
 
 def to_numpy(array):
-    """numpy, colibri.Tensor or torch (on a GPU too) -> numpy."""
+    """numpy, colibri.Tensor, cupy or torch (on a GPU too) -> numpy."""
+    if hasattr(array, "get"):  # cupy
+        return array.get()
     if hasattr(array, "cpu"):
         return array.cpu().numpy()
     return array.numpy() if isinstance(array, colibri.Tensor) else np.asarray(array)
@@ -135,3 +137,61 @@ def test_metrics_interval_parameter_is_checked(weights, monkeypatch):
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(ValueError, match="COLIBRI_METRICS_INTERVAL_S"):
             load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": bad})
+
+
+# Imports model.py serves without: torch is a benchmark and test dependency, never the server's.
+_NO_TORCH = r'''
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    tried = []
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            NoTorch.tried.append(name)
+            raise ImportError(f"{name} is blocked: the serving path must not import it")
+sys.meta_path.insert(0, NoTorch())
+sys.modules.pop("torch", None)
+'''
+
+
+def test_serving_path_never_imports_torch(weights, tmp_path):
+    """model.py's initialize (warm-up included) and execute, in a fresh interpreter where importing
+    torch raises: nothing on the serving path asks for it (on a GPU instance too: test_cuda.py)."""
+    script = tmp_path / "no_torch.py"
+    script.write_text(_NO_TORCH + f'''
+import numpy as np
+import fake_backend
+class Patch:
+    def setitem(self, mapping, key, value): mapping[key] = value
+    def setenv(self, name, value): __import__("os").environ[name] = value
+model = fake_backend.load_model(Patch(), __import__("pathlib").Path({str(weights)!r}))
+x = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float32)
+ids, w = np.array([[0, 1]] * 3, np.int32), np.full((3, 2), 0.5, np.float32)
+responses = model.execute([fake_backend.request(hidden_states=x), fake_backend.request(hidden_states=x[:1]),
+                           fake_backend.request(hidden_states=x, topk_ids=ids, topk_weights=w)])
+assert all(r.error is None for r in responses), [r.error.message for r in responses if r.error]
+print("tried:", NoTorch.tried)
+''')
+    import os
+    import subprocess
+    import sys
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tried: []" in result.stdout, result.stdout
+
+
+def test_warm_up_runs_before_ready_and_is_not_counted(weights, monkeypatch):
+    """initialize runs the request paths once (router, given routing, one and two joined requests)
+    and leaves the expert counters at zero; COLIBRI_WARMUP=no skips it, anything else is refused."""
+    calls = []
+    original = colibri.MoELayer.forward
+    monkeypatch.setattr(colibri.MoELayer, "forward", lambda self, *a, **k: calls.append(a[0]) or original(self, *a, **k))
+    model = load_model(monkeypatch, weights)
+    assert len(calls) == 4  # router x {alone, joined}, given routing x {alone, joined}
+    assert not model.layer.expert_counts().any()
+    calls.clear()
+    load_model(monkeypatch, weights, parameters={"COLIBRI_WARMUP": "no"})
+    assert calls == []
+    with pytest.raises(ValueError, match="COLIBRI_WARMUP"):
+        load_model(monkeypatch, weights, parameters={"COLIBRI_WARMUP": "sometimes"})

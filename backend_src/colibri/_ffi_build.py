@@ -5,9 +5,12 @@
 The cdef is the block of csrc/include/colibri.h between COLIBRI_CDEF_BEGIN and COLIBRI_CDEF_END, so
 the header stays the one source of truth. The extension and a copy of libcolibri.so land side by side
 in backend_src/colibri/, linked with rpath $ORIGIN: the package folder is self-contained and keeps
-working when copied elsewhere (a Docker image, Triton's model folder).
+working when copied elsewhere (a Docker image, Triton's model folder). Both are replaced by rename,
+and only when their bytes change, so rebuilding never disturbs a server that has them loaded.
 """
 import argparse
+import filecmp
+import os
 import pathlib
 import shutil
 import sys
@@ -86,7 +89,7 @@ def read_cdef(header: pathlib.Path) -> str:
     return text[begin + len(BEGIN_MARKER):end]
 
 
-def make_ffi(header: pathlib.Path) -> cffi.FFI:
+def make_ffi(header: pathlib.Path, build_dir: str = "") -> cffi.FFI:
     ffi = cffi.FFI()
     ffi.cdef(read_cdef(header) + DLPACK_DECLS + CALLBACK_CDEF)
     ffi.set_source(
@@ -96,7 +99,9 @@ def make_ffi(header: pathlib.Path) -> cffi.FFI:
         library_dirs=[str(PACKAGE_DIR)],
         libraries=["colibri"],
         extra_link_args=["-Wl,-rpath,$ORIGIN"],
-        extra_compile_args=["-O2"],
+        # The build folder's name kept out of the binary: the same sources give the same bytes, so an
+        # unchanged rebuild leaves the installed extension alone.
+        extra_compile_args=["-O2"] + ([f"-ffile-prefix-map={build_dir}=."] if build_dir else []),
     )
     return ffi
 
@@ -109,13 +114,28 @@ def main(argv=None) -> None:
     if not args.lib.is_file():
         sys.exit(f"_ffi_build: {args.lib} not found (run make lib first)")
     # Copy first and link against the copy, so the extension records the library it will load.
-    shutil.copy2(args.lib, PACKAGE_DIR / "libcolibri.so")
-    ffi = make_ffi(args.header.resolve())
+    changed = [name for name in (install(args.lib, PACKAGE_DIR / "libcolibri.so"),) if name]
     with tempfile.TemporaryDirectory(prefix="colibri-cffi-") as tmp:
+        ffi = make_ffi(args.header.resolve(), tmp)
         built = pathlib.Path(ffi.compile(tmpdir=tmp, verbose=False))
-        target = PACKAGE_DIR / built.name
-        shutil.copy2(built, target)
-    print(f"colibri: built {target.relative_to(REPO_ROOT)} and {(PACKAGE_DIR / 'libcolibri.so').relative_to(REPO_ROOT)}")
+        changed += [name for name in (install(built, PACKAGE_DIR / built.name),) if name]
+    print(f"colibri: python extension in {PACKAGE_DIR.relative_to(REPO_ROOT)}: "
+          + (f"replaced {', '.join(changed)}" if changed else "up to date"))
+
+
+def install(source: pathlib.Path, target: pathlib.Path):
+    """Puts source at target by writing beside it and renaming, so a process that has the old file
+    loaded (a serving Triton stub) keeps its mapping intact; rewriting a loaded .so in place crashes
+    it. An identical target is left alone. Returns the target's name if it was replaced."""
+    if target.is_file() and filecmp.cmp(source, target, shallow=False):
+        return None
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        shutil.copy2(source, partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target.name
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ __dlpack__, bfloat16 included, which numpy cannot hold. Its deleter is a cffi ex
 callback, which takes the GIL, so a consumer may free the tensor from any thread.
 """
 import ctypes
+import glob
+import importlib
+import os
 import sys
 
 import numpy as np
@@ -90,6 +93,10 @@ class View:
     @property
     def size(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * _NUMPY_STORAGE[self.dtype].itemsize
 
     def release(self) -> None:
         release, self._release = self._release, None
@@ -200,15 +207,41 @@ def colibri_py_dlpack_deleter(managed):
     _live_exports.pop(int(ffi.cast("uintptr_t", managed)), None)
 
 
+def import_cupy():
+    """cupy, with NVRTC from the nvidia-cuda-nvrtc-cu12/cu11 wheel loaded first when it is installed.
+
+    cupy 13 compiles its elementwise kernels at first use with NVRTC, which it dlopens by soname
+    (libnvrtc.so.12) and does not look for in that wheel; a library already loaded under that soname
+    is what dlopen returns, so a host with only the driver serves without a CUDA toolkit."""
+    global _nvrtc_preloaded
+    if not _nvrtc_preloaded:
+        _nvrtc_preloaded = True
+        for module in ("nvidia.cuda_nvrtc",):
+            try:
+                folders = list(importlib.import_module(module).__path__)
+            except ImportError:
+                continue
+            for folder in folders:
+                for path in sorted(glob.glob(os.path.join(folder, "lib", "libnvrtc.so.*"))):
+                    if "builtins" not in os.path.basename(path):
+                        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    import cupy
+    return cupy
+
+
+_nvrtc_preloaded = False
+
+
 def _cuda_library():
-    """cupy if it can be imported, else torch: the library that allocates on a GPU for outputs
-    that have no library of their own (raw capsules)."""
-    for module in ("cupy", "torch"):
-        try:
-            return __import__(module)
-        except ImportError:
-            continue
-    raise invalid("CUDA tensors without a library of their own need cupy or torch to allocate outputs")
+    """The library that allocates GPU memory for outputs that have no library of their own (raw
+    capsules, colibri.Tensor): cupy; torch only when the caller already imported it and cupy is
+    missing (the runtime never imports torch itself)."""
+    try:
+        return import_cupy()
+    except ImportError:
+        if "torch" in sys.modules:
+            return sys.modules["torch"]
+    raise invalid("CUDA tensors without a library of their own need cupy (pip install cupy-cuda12x) to allocate outputs")
 
 
 class Tensor:
@@ -310,7 +343,17 @@ class Tensor:
         storage = _NUMPY_STORAGE[self.dtype]
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * storage.itemsize
         if self._device_type == KDL_CUDA:
-            flat = self._owner.get() if hasattr(self._owner, "get") else self._owner.cpu().numpy()
+            # From this tensor's own pointer (a row range of a larger buffer starts inside its owner).
+            if self.stream is not None:
+                _synchronize(self.stream, self._device_id)
+            flat = np.empty(max(nbytes, 1), np.uint8)
+            library = _cuda_library()
+            if library.__name__ == "cupy":
+                with library.cuda.Device(self._device_id):
+                    library.cuda.runtime.memcpy(flat.ctypes.data, self._ptr, nbytes, 2)  # device to host
+            else:
+                source = library.from_dlpack(Tensor(self, self._ptr, (nbytes,), "uint8", KDL_CUDA, self._device_id))
+                flat[:nbytes] = source.cpu().numpy()
             host = flat[:nbytes].view(storage).reshape(self.shape)
         else:
             buffer = ffi.buffer(ffi.cast("char *", self._ptr), nbytes)
@@ -333,12 +376,12 @@ def allocate(like: View, shape, dtype: str):
         array = np.empty(shape, _NUMPY_STORAGE[dtype])
         return array, array.__array_interface__["data"][0]
     if kind == "torch":
-        import torch
+        torch = sys.modules["torch"]  # the input is a torch tensor: torch is already imported
         device = torch.device("cuda", like.device_id) if like.device_type == KDL_CUDA else torch.device("cpu")
         array = torch.empty(shape, dtype=getattr(torch, _TORCH_DTYPES[dtype]), device=device)
         return array, array.data_ptr()
     if kind == "cupy" and dtype != "bf16":
-        import cupy
+        cupy = sys.modules["cupy"]
         with cupy.cuda.Device(like.device_id):
             array = cupy.empty(shape, _NUMPY_STORAGE[dtype])
         return array, array.data.ptr
@@ -354,9 +397,8 @@ def current_stream(kind: str, device_id: int) -> int:
     kind came from; for inputs of no library (raw capsules), cupy's if importable, else torch's."""
     module = kind if kind in ("torch", "cupy") else _cuda_library().__name__
     if module == "torch":
-        import torch
-        return int(torch.cuda.current_stream(device_id).cuda_stream)
-    import cupy
+        return int(sys.modules["torch"].cuda.current_stream(device_id).cuda_stream)
+    cupy = import_cupy()
     with cupy.cuda.Device(device_id):
         return int(cupy.cuda.get_current_stream().ptr)
 

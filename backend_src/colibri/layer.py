@@ -469,8 +469,7 @@ def _device_to_host(array) -> np.ndarray:
 def _device_int32(array):
     """An int32 copy of a torch or cupy array, and its data pointer."""
     if hasattr(array, "data_ptr"):
-        import torch
-        converted = array.to(torch.int32)
+        converted = array.to(sys.modules["torch"].int32)  # a torch array: torch is imported
         return converted, converted.data_ptr()
     converted = array.astype("int32")
     return converted, converted.data.ptr

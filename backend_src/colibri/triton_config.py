@@ -39,6 +39,27 @@ def metrics_interval(args: dict) -> float:
     return value
 
 
+def warmup(args: dict) -> bool:
+    """Whether an instance runs warm-up forwards before it reports ready: config parameter
+    COLIBRI_WARMUP, 'yes' (default) or 'no'."""
+    parameters = json.loads(args["model_config"]).get("parameters", {})
+    text = parameters.get("COLIBRI_WARMUP", {}).get("string_value", "yes").strip().lower()
+    if text not in ("yes", "no"):
+        raise ValueError(f"config parameter COLIBRI_WARMUP: {text!r} is not 'yes' or 'no'")
+    return text == "yes"
+
+
+_ACTIVATION_TYPES = {"TYPE_FP32": "fp32", "TYPE_FP16": "fp16", "TYPE_BF16": "bf16"}
+
+
+def activation_dtype(args: dict) -> str:
+    """The dtype of hidden_states on the wire ('fp32' | 'fp16' | 'bf16'), from the loaded config."""
+    for tensor in json.loads(args["model_config"]).get("input", []):
+        if tensor.get("name") == "hidden_states":
+            return _ACTIVATION_TYPES.get(tensor.get("data_type"), "fp32")
+    return "fp32"
+
+
 def complete(auto_complete_model_config, version_dir: str):
     """auto_complete_config for a model with colibri_moe's tensors: dims [H] for hidden_states,
     [k] for topk_ids and topk_weights, [out_features] for output; the declared data types (the

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 import colibri
 from colibri import triton_config
 from colibri.dlpack import take
-from colibri.dtypes import ITEMSIZE
+from colibri.dtypes import ITEMSIZE, STORAGE
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 FORWARD_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0]
@@ -40,7 +40,7 @@ class HostBatch:
         rows = colibri.nonfinite_rows([None if t is None else t.to_dlpack() for t in tensors])
         return lambda: rows
 
-    def join(self, tensors):
+    def join(self, tensors, keep):
         if len(tensors) == 1:
             return tensors[0].to_dlpack()
         views = [take(t.name(), t.to_dlpack()) for t in tensors]
@@ -52,18 +52,20 @@ class HostBatch:
 
     @staticmethod
     def rows(out, start, stop):
+        """Rows [start, stop) of a colibri.Tensor output, as a colibri.Tensor over the same memory."""
         row_bytes = out.shape[1] * ITEMSIZE[out.dtype]
         return colibri.Tensor(out, out.data_ptr + start * row_bytes, (stop - start, out.shape[1]), out.dtype,
-                              *out.__dlpack_device__())
+                              *out.__dlpack_device__(), stream=out.stream)
 
 
 class DeviceBatch:
-    """Joins requests on the instance's GPU with torch; plain gRPC/HTTP inputs arrive on the host."""
+    """Joins requests on the instance's GPU with cupy: one buffer, one asynchronous copy per request
+    (device to device for CUDA shared memory, host to device for plain gRPC/HTTP), any dtype (bf16
+    too, which cupy cannot hold); outputs are row ranges of the forward's output, nothing copied."""
 
     def __init__(self, device_id):
-        import torch
-        self.torch = torch
-        self.device = torch.device("cuda", device_id)
+        self.cupy = colibri.dlpack.import_cupy()
+        self.device_id = device_id
         self.arrivals = set()  # where inputs came from, logged the first time each is seen
 
     @staticmethod
@@ -74,17 +76,56 @@ class DeviceBatch:
             return lambda: [None] * len(tensors)
         return colibri.nonfinite_rows_by_part_later(joined, [t.shape()[0] for t in tensors])
 
-    def join(self, tensors):
+    def join(self, tensors, keep):
+        """One colibri.Tensor on this GPU holding the tensors' rows in order. What must outlive the
+        forward (the inputs' views) is appended to keep."""
         where = "GPU memory (zero-copy)" if not tensors[0].is_cpu() else "host memory (copied to the GPU)"
         if where not in self.arrivals:
             self.arrivals.add(where)
             pb_utils.Logger.log_info(f"colibri_moe: first request whose inputs arrived in {where}")
-        parts = [self.torch.utils.dlpack.from_dlpack(t.to_dlpack()).to(self.device) for t in tensors]
-        return parts[0] if len(parts) == 1 else self.torch.cat(parts)
+        views = []
+        for t in tensors:
+            views.append(take(t.name(), t.to_dlpack()))
+            keep.append(views[-1])
+        first = views[0]
+        here = (colibri.dlpack.KDL_CUDA, self.device_id)
+        if len(views) == 1 and (first.device_type, first.device_id) == here:
+            return colibri.Tensor(first, first.ptr, first.shape, first.dtype, *here)
+        rows = sum(v.shape[0] for v in views)
+        joined = colibri.Tensor.empty((rows,) + tuple(first.shape[1:]), first.dtype, *here, library=self.cupy)
+        with self.cupy.cuda.Device(self.device_id):
+            stream = self.cupy.cuda.get_current_stream().ptr
+            offset = 0
+            for view in views:
+                if tuple(view.shape[1:]) != tuple(first.shape[1:]) or view.dtype != first.dtype:
+                    raise colibri.ColibriError(f"{view.name}: requests of one batch disagree in shape or dtype",
+                                               colibri.STATUS_INVALID_ARGUMENT)
+                nbytes = view.nbytes
+                if nbytes:  # cudaMemcpyDefault: the pointers say which way (host, this GPU, another GPU)
+                    self.cupy.cuda.runtime.memcpyAsync(joined.data_ptr + offset, view.ptr, nbytes, 4, stream)
+                offset += nbytes
+        return joined
 
-    @staticmethod
-    def rows(out, start, stop):
-        return out[start:stop]
+    rows = staticmethod(HostBatch.rows)
+
+
+class _WarmupInput:
+    """The part of pb_utils.Tensor that execute reads, over a colibri.Tensor (for the warm-up)."""
+
+    def __init__(self, name, tensor):
+        self._name, self._tensor = name, tensor
+
+    def name(self):
+        return self._name
+
+    def shape(self):
+        return list(self._tensor.shape)
+
+    def to_dlpack(self):
+        return self._tensor.__dlpack__()
+
+    def is_cpu(self):
+        return True
 
 
 class TritonPythonModel:
@@ -126,6 +167,36 @@ class TritonPythonModel:
                 kind=families.HISTOGRAM)
             self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
         pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
+        if triton_config.warmup(args):
+            seconds = self._warm_up(triton_config.activation_dtype(args))
+            pb_utils.Logger.log_info(f"colibri_moe: warm-up forwards took {seconds * 1e3:.1f} ms")
+
+    def _warm_up(self, dtype):
+        """Runs the paths a first request takes (joining, router or given routing, the finiteness
+        check, slicing) once, so no request pays their one-time costs: the GPU's lazy module loading,
+        cupy's kernel compilation, allocator pools. Its tokens are not counted in the metrics."""
+        start = time.perf_counter()
+        config = self.layer.config
+        x = colibri.Tensor.from_numpy(np.zeros((2, config.hidden_size), STORAGE[dtype]), dtype)
+        routing = (colibri.Tensor.from_numpy((np.arange(2 * config.top_k) % config.num_experts)
+                                             .astype(np.int32).reshape(2, config.top_k)),
+                   colibri.Tensor.from_numpy(np.full((2, config.top_k), 1.0 / config.top_k, np.float32)))
+        requests = [[_WarmupInput("hidden_states", x)] + [None, None],
+                    [_WarmupInput("hidden_states", x)] + [_WarmupInput(n, t) for n, t in zip(INPUTS[1:], routing)]]
+        for inputs in requests:
+            if inputs[1] is None and not config.has_router:
+                continue
+            for count in (1, 2):  # one request alone, then two joined
+                keep = []
+                try:
+                    out, _ = self._compute([(i, inputs) for i in range(count)], keep)
+                    if count > 1:
+                        self.batch.rows(out, 0, 1)
+                finally:
+                    for view in keep:
+                        view.release()
+        self.layer.expert_counts(reset=True)  # waits for the GPU; the warm-up is not traffic
+        return time.perf_counter() - start
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -163,12 +234,9 @@ class TritonPythonModel:
 
     def _run(self, members, responses):
         """One forward for the members' tokens; an answer for each member in responses."""
+        keep = []  # the inputs' views on a GPU: released once the forward is done
         try:
-            joined = [None if members[0][1][j] is None else self.batch.join([inputs[j] for _, inputs in members])
-                      for j in range(len(INPUTS))]
-            finish_check = self._nonfinite_rows_later(members, joined[0])
-            out = self.layer.forward(*joined)
-            bad_rows = finish_check()  # on a GPU this waits for the forward
+            out, bad_rows = self._compute(members, keep)
             start = 0
             for (index, inputs), bad_row in zip(members, bad_rows):
                 stop = start + inputs[0].shape()[0]
@@ -190,6 +258,17 @@ class TritonPythonModel:
             self._fail(members, responses, f"hidden_states: finiteness check failed: {exc}", "INTERNAL")
         except Exception as exc:  # execute must not raise: that would fail every request of the batch
             self._fail(members, responses, f"{type(exc).__name__}: {exc}", "INTERNAL")
+        finally:
+            for view in keep:
+                view.release()
+
+    def _compute(self, members, keep):
+        """The members' joined forward and, for each member, its first row holding a NaN or an Inf."""
+        joined = [None if members[0][1][j] is None else self.batch.join([inputs[j] for _, inputs in members], keep)
+                  for j in range(len(INPUTS))]
+        finish_check = self._nonfinite_rows_later(members, joined[0])
+        out = self.layer.forward(*joined)
+        return out, finish_check()  # on a GPU the check's answer waits for the forward
 
     def _nonfinite_rows_later(self, members, hidden_states):
         """The batch's finiteness check, started: a function giving each member's first bad row."""
