@@ -157,13 +157,15 @@ def bad_requests(layer, rng):
         "topk_weights missing": (with_routing()[:2], "topk_weights"),
         "topk_ids missing": ([with_routing()[0], with_routing()[2]], "topk_ids"),
         "topk_ids int64": (with_routing(ids=ids.astype(np.int64), ids_type="INT64"), "topk_ids"),
+        # Triton checks only the number of inputs (1 to 3), so the model says which one is missing.
+        "hidden_states missing": (with_routing()[1:], "hidden_states: required"),
     }
 
 
 BAD_REQUEST_NAMES = ["wrong hidden size", "no tokens", "hidden_states fp64", "expert id too large",
                      "negative expert id", "NaN hidden state", "infinite hidden state", "topk_ids k mismatch",
                      "topk_weights k mismatch", "token count mismatch", "NaN weight", "infinite weight",
-                     "topk_weights missing", "topk_ids missing", "topk_ids int64"]
+                     "topk_weights missing", "topk_ids missing", "topk_ids int64", "hidden_states missing"]
 PROTOCOLS = {"http": (http_infer, "http_url", "400"), "grpc": (grpc_infer, "grpc_url", "StatusCode.INVALID_ARGUMENT")}
 
 

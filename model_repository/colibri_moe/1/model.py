@@ -234,6 +234,10 @@ class TritonPythonModel:
 
     def _run(self, members, responses):
         """One forward for the members' tokens; an answer for each member in responses."""
+        if members[0][1][0] is None:  # Triton checks how many inputs came, not which: say what is missing
+            self._fail(members, responses, "hidden_states: required (the tokens [T, H]); topk_ids and "
+                       "topk_weights only give their routing", "INVALID_ARG")
+            return
         keep = []  # the inputs' views on a GPU: released once the forward is done
         try:
             out, bad_rows = self._compute(members, keep)
