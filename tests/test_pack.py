@@ -239,3 +239,17 @@ def test_no_moe_layer(tmp_path):
     st.write(tmp_path / "dense.safetensors", {"model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(colibri.ColibriError, match="no MoE layer found"):
         pack(tmp_path / "dense.safetensors", tmp_path / "x.colibri.safetensors", progress=False)
+
+
+@pytest.mark.parametrize("command", ["pack", "demo"])
+def test_out_into_a_missing_folder_is_one_line(rng, tmp_path, colibri_cli, command):
+    src = small_qwen(rng, tmp_path)
+    out = tmp_path / "missing" / "x.colibri.safetensors"
+    result = colibri_cli(*([command, src] if command == "pack" else [command]), "--out", out)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines() == [f"colibri {command}: --out {out}: folder {out.parent} does not exist "
+                                          f"(create it first: mkdir -p {out.parent})"], result.stderr
+    result = colibri_cli(command, *([src] if command == "pack" else []), "--out", tmp_path)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1 and "is a folder" in result.stderr
+    with pytest.raises(colibri.ColibriError, match="does not exist"):  # the function checks before reading
+        pack(src, out, progress=False)

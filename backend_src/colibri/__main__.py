@@ -1,6 +1,7 @@
 """python -m colibri {pack,demo,serve,bench,info,probe,watch}"""
 import argparse
 import importlib
+import pathlib
 import sys
 
 from colibri import checkpoint
@@ -69,6 +70,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def out_problem(out):
+    """Why `out` cannot be written as a new file, in one line, or None. Checked before the work, so a
+    pack of a large model does not read it all to fail at the end."""
+    out = pathlib.Path(out)
+    if out.is_dir():
+        return f"--out {out}: is a folder; give the file to write, e.g. {out / 'layer.colibri.safetensors'}"
+    if not out.parent.exists():
+        return f"--out {out}: folder {out.parent} does not exist (create it first: mkdir -p {out.parent})"
+    if not out.parent.is_dir():
+        return f"--out {out}: {out.parent} is not a folder"
+    return None
+
+
 def _info(path) -> None:
     ckpt = checkpoint.load(path)
     for field, value in vars(ckpt.config).items():
@@ -92,6 +106,10 @@ def main(argv=None) -> int:
         from colibri import watchdog
         return (watchdog.main_probe if argv[0] == "probe" else watchdog.main_watch)(argv[1:])
     args = _parser().parse_args(argv)
+    problem = out_problem(args.out) if args.command in ("pack", "demo") else None
+    if problem:
+        print(f"colibri {args.command}: {problem}", file=sys.stderr)
+        return 1
     try:
         if args.command == "pack":
             from colibri import pack
@@ -109,6 +127,9 @@ def main(argv=None) -> int:
             _info(args.file)
     except ColibriError as exc:
         print(f"colibri {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # e.g. a folder without write permission: one line, not a traceback
+        print(f"colibri {args.command}: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
         return 1
     return 0
 

@@ -253,6 +253,8 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
         raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16, got {dtype!r}")
     if routing is not None and routing not in ROUTINGS:
         raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
+    if not pathlib.Path(out).parent.is_dir():  # before reading the model, not after
+        raise _fail(f"{out}: folder {pathlib.Path(out).parent} does not exist")
     source = _Source(src)
     layer, base = _find_layer(source, layer)
     moe_block = base[:-1]
