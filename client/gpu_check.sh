@@ -1,14 +1,16 @@
 #!/bin/bash
-# Serves colibri_moe from a GPU instance (KIND_GPU) on a machine with one GPU and no registry access,
-# and checks it with the CUDA shared-memory client (inputs and output stay on the GPU) and the gRPC
-# client. Needs python3 (3.12) with torch, numpy and safetensors, nvcc, make and a C compiler there,
-# and .whl/ filled here by client/gpu_wheels.sh (wheels + tritonserver-py3.12.tar.xz).
-# Writes to $OUT (default ./gpu-check): summary.txt, setup.log, build.log, server.log,
-# grpc_client.log, cuda_shm_client.log, metrics.txt. Exits non-zero if any step failed.
-#   usage, from the repository root: OUT=/some/dir client/gpu_check.sh
+# GPU serving check on a one-GPU machine with no registry access. The server's Python cannot import
+# torch (a package on its path refuses it), so the GPU instance must load and serve with cupy alone.
+# Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; fp32 activations on the wire)
+# with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients,
+# and times the first requests with and without the instance's warm-up. Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz
+# (client/gpu_wheels.sh, then bench/serving/wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
+# Writes $OUT (default ./gpu-check): summary.txt, first_request.json and one log per step.
+#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=build/libcolibri.so] client/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/gpu-check}
+shape=${SHAPE:-8,2,4096,14336}
 mkdir -p "$out"
 work=$(mktemp -d)
 failed=0
@@ -26,30 +28,37 @@ step() {  # step LOG DESCRIPTION COMMAND...: runs COMMAND, output appended to $o
 }
 
 : > "$out/summary.txt"
-step setup "machine" bash -c 'nvidia-smi -L; python3 --version; python3 -c "import torch, numpy; print(\"torch\", torch.__version__, \"cuda\", torch.cuda.is_available(), \"numpy\", numpy.__version__)"; nvcc --version | tail -2'
-step setup "install carried wheels into $work/site" \
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" .whl/*.whl
-step setup "unpack the tritonserver bundle" bash -c "mkdir -p '$work/triton' && tar xJf .whl/tritonserver-py3.12.tar.xz -C '$work/triton'"
-# cuda-bindings 12.9 opens libcudart.so.12 by that name: the bundle's CUDA 12.6 runtime answers to it.
-mkdir -p "$work/cudart"
-ln -sf "$(ls "$work"/triton/nvidia_pytriton.libs/libcudart-*.so.12*)" "$work/cudart/libcudart.so.12"
-export LD_LIBRARY_PATH="$work/cudart:${LD_LIBRARY_PATH:-}"
+mkdir -p "$work/site" "$work/triton" "$work/notorch/torch"
+tar xJf .whl/site-py312.tar.xz -C "$work/site"
+tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
+echo 'raise ImportError("torch is not installed here (client/gpu_check.sh: the server must not need it)")' \
+  > "$work/notorch/torch/__init__.py"
 # The bundle's pytriton/ (a namespace package there) is how `colibri serve` finds tritonserver.
-export PYTHONPATH="$work/site:$work/triton:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
+export PYTHONPATH="$work/site:$work/triton:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+server_path="$work/notorch:$PYTHONPATH"
 
-step build "libcolibri with the CUDA backend (sm_90)" make lib CUDA=1 CUDA_ARCH=90
-step build "the cffi extension" python3 backend_src/colibri/_ffi_build.py --lib build/libcolibri.so
-step build "a demo checkpoint" python3 -m colibri demo --out "$work/weights.colibri.safetensors"
+step setup "machine" bash -c 'nvidia-smi -L; python3 --version; python3 -c "import cupy, numpy; print(\"cupy\", cupy.__version__, \"numpy\", numpy.__version__)"'
+lib=${COLIBRI_LIB:-}
+if [ -z "$lib" ]; then
+  step build "libcolibri with the CUDA backend (sm_90)" make lib CUDA=1 CUDA_ARCH=90
+  lib=build/libcolibri.so
+fi
+step build "the cffi extension" python3 backend_src/colibri/_ffi_build.py --lib "$lib"
+weights="$work/layer.colibri.safetensors"
+IFS=, read -r E k H F <<< "$shape"
+step build "a bf16 checkpoint $shape" python3 -c "
+import sys; sys.path.insert(0, 'bench/serving'); from pathlib import Path; import compare
+compare.write_demo(Path('$weights'), $E, $k, $H, $F, 'bf16')"
 
-serve() {  # serve DEVICE EXPECTED_KIND: starts `colibri serve --device DEVICE`, waits until ready and
-           # checks the instance kind Triton resolved; the launcher's pid lands in $server
-  python3 -m colibri serve --device "$1" --weights "$work/weights.colibri.safetensors" \
-    --http-port 8000 --grpc-port 8001 --metrics-port 8002 >> "$out/server.log" 2>&1 &
+serve() {  # serve LOG ARGS...: starts `colibri serve` without torch on its path; pid in $server
+  local log=$1
+  shift
+  PYTHONPATH="$server_path" python3 -m colibri serve --weights "$weights" \
+    --http-port 8000 --grpc-port 8001 --metrics-port 8002 "$@" >> "$out/$log.log" 2>&1 &
   server=$!
-  step server "--device $1: tritonserver ready with $2" python3 - "$2" <<'PY'
+  step "$log" "serve $*: ready with KIND_GPU" python3 - <<'PY'
 import json, sys, time, urllib.request
-for _ in range(600):
+for _ in range(1200):
     try:
         with urllib.request.urlopen("http://127.0.0.1:8000/v2/models/colibri_moe/ready", timeout=2) as r:
             if r.status == 200:
@@ -58,31 +67,60 @@ for _ in range(600):
         pass
     time.sleep(0.5)
 else:
-    raise SystemExit("not ready after 300 s")
+    raise SystemExit("not ready after 600 s")
 config = json.load(urllib.request.urlopen("http://127.0.0.1:8000/v2/models/colibri_moe/config"))
 print(config["instance_group"])
-assert config["instance_group"][0]["kind"] == sys.argv[1]
+assert config["instance_group"][0]["kind"] == "KIND_GPU"
 PY
 }
 
 stop() {
   kill -TERM "$server" 2>/dev/null
   wait "$server"
-  echo "== server exit status $?" >> "$out/server.log"
+  echo "== server exit status $?" >> "$out/$1.log"
 }
 
-# The repository's KIND_AUTO must become one GPU instance per GPU on a GPU host.
-serve auto KIND_GPU
-stop
-serve gpu KIND_GPU
-weights=(--weights "$work/weights.colibri.safetensors")
-step grpc_client "gRPC client, T=7" python3 client/grpc_client.py "${weights[@]}"
-step grpc_client "gRPC client, T=512" python3 client/grpc_client.py "${weights[@]}" --tokens 512
-step cuda_shm_client "CUDA shared-memory client, T=7" python3 client/cuda_shm_client.py "${weights[@]}"
-step cuda_shm_client "CUDA shared-memory client, T=512" python3 client/cuda_shm_client.py "${weights[@]}" --tokens 512
-step server "metrics" bash -c "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8002/metrics\").read().decode())' > '$out/metrics.txt' && grep -q '^colibri_expert_tokens_total' '$out/metrics.txt'"
+first_requests() {  # first_requests LABEL: the first gRPC requests' latencies, then the steady ones
+  python3 - "$1" "$H" >> "$out/first_request.json" <<'PY'
+import json, sys, time
+import numpy as np
+import tritonclient.grpc as grpcclient
+label, H = sys.argv[1], int(sys.argv[2])
+client = grpcclient.InferenceServerClient("127.0.0.1:8001")
+def once(T):
+    x = np.random.default_rng(T).standard_normal((T, H)).astype(np.float32)
+    tensor = grpcclient.InferInput("hidden_states", [T, H], "FP32")
+    tensor.set_data_from_numpy(x)
+    start = time.perf_counter()
+    client.infer("colibri_moe", [tensor])
+    return round((time.perf_counter() - start) * 1e3, 2)
+first = {"T=1": once(1), "T=512": once(512), "T=4096": once(4096)}
+steady = {"T=1": float(np.median([once(1) for _ in range(20)])), "T=512": float(np.median([once(512) for _ in range(5)])),
+          "T=4096": float(np.median([once(4096) for _ in range(5)]))}
+print(json.dumps({"server": label, "first_ms": first, "steady_median_ms": steady}))
+PY
+}
 
-stop
+serve server_warm --device auto
+step first_request "first requests, warm-up on" first_requests "warm-up on (default)"
+args=(--weights "$weights")
+step clients "gRPC client, T=7" python3 client/grpc_client.py "${args[@]}"
+step clients "gRPC client, T=512" python3 client/grpc_client.py "${args[@]}" --tokens 512
+step clients "HTTP/JSON client, T=7" python3 client/http_client.py "${args[@]}"
+step clients "system shared-memory client, T=7" python3 client/shm_client.py "${args[@]}"
+step clients "CUDA shared-memory client, T=7" python3 client/cuda_shm_client.py "${args[@]}"
+step clients "CUDA shared-memory client, T=512" python3 client/cuda_shm_client.py "${args[@]}" --tokens 512
+step server_warm "inputs reached model.py in GPU memory" grep -q "arrived in GPU memory" "$out/server_warm.log"
+step server_warm "metrics" bash -c "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8002/metrics\").read().decode())' > '$out/metrics.txt' && grep -q '^colibri_expert_tokens_total' '$out/metrics.txt'"
+stop server_warm
+
+# The same repository with the warm-up off: what a first request paid before it.
+cp -rL model_repository "$work/cold"
+sed -i '/key: "COLIBRI_WARMUP"/{n;s/"yes"/"no"/}' "$work/cold/colibri_moe/config.pbtxt"
+serve server_cold --device gpu --model-repository "$work/cold"
+step first_request "first requests, warm-up off" first_requests "warm-up off"
+stop server_cold
+
 rm -rf "$work"
 echo "$([ $failed = 0 ] && echo PASS || echo FAIL): GPU serving check, logs in $out" | tee -a "$out/summary.txt"
 exit $failed

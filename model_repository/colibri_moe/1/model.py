@@ -11,6 +11,7 @@ only its own token's output), so the other requests' answers come from the same 
 tokens were computed, so the expert counters count them.
 Tensors move through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
 """
+import json
 import os
 import time
 
@@ -20,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 import colibri
 from colibri import triton_config
 from colibri.dlpack import take
-from colibri.dtypes import ITEMSIZE, STORAGE
+from colibri.dtypes import ITEMSIZE, STORAGE, float32_to_bf16
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 FORWARD_SECONDS_BUCKETS = [1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0]
@@ -168,33 +169,39 @@ class TritonPythonModel:
             self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
         pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
         if triton_config.warmup(args):
-            seconds = self._warm_up(triton_config.activation_dtype(args))
-            pb_utils.Logger.log_info(f"colibri_moe: warm-up forwards took {seconds * 1e3:.1f} ms")
+            # On a GPU the kernels differ with the tokens per expert: cover decode to a full batch.
+            most = int(json.loads(args["model_config"]).get("max_batch_size", 0)) or 4096
+            counts = sorted({min(t, most) for t in (1, 64, 512, 4096)}) if on_gpu else [1]
+            seconds = self._warm_up(triton_config.activation_dtype(args), counts)
+            pb_utils.Logger.log_info(f"colibri_moe: warm-up forwards ({counts} tokens) took {seconds * 1e3:.1f} ms")
 
-    def _warm_up(self, dtype):
-        """Runs the paths a first request takes (joining, router or given routing, the finiteness
-        check, slicing) once, so no request pays their one-time costs: the GPU's lazy module loading,
-        cupy's kernel compilation, allocator pools. Its tokens are not counted in the metrics."""
+    def _warm_up(self, dtype, token_counts):
+        """Runs the paths requests take once (router and given routing; one request alone and two
+        joined; on a GPU each regime of tokens per expert, whose kernels load lazily), so no request
+        pays their one-time costs: module loading, cupy's kernel compilation, allocator pools. Its
+        tokens are not counted in the metrics. Returns the seconds it took."""
         start = time.perf_counter()
         config = self.layer.config
-        x = colibri.Tensor.from_numpy(np.zeros((2, config.hidden_size), STORAGE[dtype]), dtype)
-        routing = (colibri.Tensor.from_numpy((np.arange(2 * config.top_k) % config.num_experts)
-                                             .astype(np.int32).reshape(2, config.top_k)),
-                   colibri.Tensor.from_numpy(np.full((2, config.top_k), 1.0 / config.top_k, np.float32)))
-        requests = [[_WarmupInput("hidden_states", x)] + [None, None],
-                    [_WarmupInput("hidden_states", x)] + [_WarmupInput(n, t) for n, t in zip(INPUTS[1:], routing)]]
-        for inputs in requests:
-            if inputs[1] is None and not config.has_router:
-                continue
-            for count in (1, 2):  # one request alone, then two joined
-                keep = []
-                try:
-                    out, _ = self._compute([(i, inputs) for i in range(count)], keep)
-                    if count > 1:
-                        self.batch.rows(out, 0, 1)
-                finally:
-                    for view in keep:
-                        view.release()
+        rng = np.random.default_rng(0)
+        for tokens in token_counts:
+            values = rng.standard_normal((tokens, config.hidden_size)).astype(np.float32)
+            x = colibri.Tensor.from_numpy(float32_to_bf16(values) if dtype == "bf16" else values.astype(STORAGE[dtype]),
+                                          dtype)
+            ids = (np.arange(tokens * config.top_k) % config.num_experts).astype(np.int32).reshape(tokens, config.top_k)
+            weights = np.full((tokens, config.top_k), 1.0 / config.top_k, np.float32)
+            routed = [_WarmupInput("hidden_states", x), None, None]
+            given = [routed[0], _WarmupInput("topk_ids", colibri.Tensor.from_numpy(ids)),
+                     _WarmupInput("topk_weights", colibri.Tensor.from_numpy(weights))]
+            for inputs in ([routed] if config.has_router else []) + [given]:
+                for count in ((1, 2) if tokens == 1 else (1,)):  # one request alone, then two joined
+                    keep = []
+                    try:
+                        out, _ = self._compute([(i, inputs) for i in range(count)], keep)
+                        if count > 1:
+                            self.batch.rows(out, 0, 1)
+                    finally:
+                        for view in keep:
+                            view.release()
         self.layer.expert_counts(reset=True)  # waits for the GPU; the warm-up is not traffic
         return time.perf_counter() - start
 
