@@ -303,6 +303,21 @@ def test_corrupt_checkpoint_fails_to_load(weights, tmp_path, corruption):
     assert failure, log[-2000:]
     assert str(path) in failure.group(1) and problem in failure.group(1), failure.group(1)
     assert "failed to load all models" in log
+    # The reason is the launcher's last line, not only somewhere in the server's log above it.
+    assert status == 2, log[-2000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith(f"colibri serve: {MODEL} failed to load: ColibriError: invalid argument: {path}"), last
+    assert problem in last and "\\n" not in last, last
+
+
+def test_load_failure_reason_is_read_from_the_server_log():
+    line = ("E1206 10:26:49.110569 9578 model_lifecycle.cc:642] \"failed to load 'colibri_moe' version 1: Internal: "
+            "ColibriError: invalid argument: /w.colibri.safetensors: tensor 'experts': data ends at byte 294912 but "
+            "the file holds only 2552 data bytes (truncated?)\\n\\nAt:\\n  /x/checkpoint.py(98): _open\\n\"\n")
+    assert serve.load_failure_reason(line) == (
+        "colibri_moe failed to load: ColibriError: invalid argument: /w.colibri.safetensors: tensor 'experts': "
+        "data ends at byte 294912 but the file holds only 2552 data bytes (truncated?)")
+    assert serve.load_failure_reason("I1206 model_lifecycle.cc:472] \"loading: colibri_moe:1\"\n") is None
 
 
 def test_missing_checkpoint_is_refused_before_the_server_starts(tmp_path):

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,7 +52,69 @@ INSTANCE_KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 
 
 class ServeError(RuntimeError):
-    """A problem the user can fix (missing server, bad repository); printed without a traceback."""
+    """A problem the user can fix (missing server, bad repository); printed without a traceback.
+    `reason`, when known, is what the server itself said went wrong (printed as the last line)."""
+
+    def __init__(self, message: str, reason: str = None):
+        super().__init__(message)
+        self.message, self.reason = message, reason
+
+    def __str__(self) -> str:
+        return self.message if self.reason is None else f"{self.message}: {self.reason}"
+
+
+# tritonserver's log line for a model that did not load, e.g.
+#   E1206 ... model_lifecycle.cc:642] "failed to load 'colibri_moe' version 1: Internal: ColibriError: ...\n\nAt:\n ..."
+# (one line: the message's newlines are written as \n), and its last word before it exits.
+LOAD_FAILURE = re.compile(r"failed to load '(?P<model>[^']+)' version \d+: (?P<reason>.*)")
+SERVER_ERROR = re.compile(r"^error: (?P<reason>.*)")
+
+
+def load_failure_reason(line: str):
+    """The first line of the reason in a "failed to load" log line, or None: "ColibriError: ..."
+    without Triton's status name ("Internal: ") or the Python traceback after it."""
+    match = LOAD_FAILURE.search(line)
+    if match is None:
+        return None
+    reason = match["reason"].split("\\n", 1)[0].rstrip().rstrip('"').replace('\\"', '"')
+    reason = re.sub(r"^Internal: ", "", reason)
+    return f"{match['model']} failed to load: {reason}"
+
+
+class ServerOutput:
+    """Copies a server's stdout and stderr to ours as they come, line by line, remembering why it
+    failed: the first model load failure, else its last "error: ..." line. tritonserver prints that
+    reason among some 70 lines of its own log; the launcher repeats it as its last line."""
+
+    def __init__(self, server: subprocess.Popen):
+        self.load_failure = self.server_error = None
+        self._threads = [threading.Thread(target=self._copy, args=(pipe, target), daemon=True)
+                         for pipe, target in ((server.stdout, sys.stdout), (server.stderr, sys.stderr))]
+        for thread in self._threads:
+            thread.start()
+
+    def _copy(self, pipe, target) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                try:
+                    target.write(line)
+                    target.flush()
+                except (OSError, ValueError):
+                    pass  # our own stream is gone: keep reading, so the server never blocks on a full pipe
+                if self.load_failure is None:
+                    self.load_failure = load_failure_reason(line)
+                error = SERVER_ERROR.match(line)
+                if error:
+                    self.server_error = error["reason"].strip()
+
+    def reason(self, wait_s: float = 2.0):
+        """Why the server failed, once it has exited: waits (a little) for its last lines. A backend
+        stub outliving it may hold the pipes open, so the wait is bounded."""
+        deadline = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return self.load_failure or self.server_error
 
 
 def find_tritonserver() -> Path:
@@ -291,7 +354,9 @@ def main(argv=None) -> int:
             ] + cuda_pool_options(args.cuda_memory_pool_mb)
             return run_server(command, server_environment(weights, stub_python(run_dir)), args, weights)
     except ServeError as exc:
-        print(f"colibri serve: {exc}", file=sys.stderr)
+        print(f"colibri serve: {exc.message}", file=sys.stderr)
+        if exc.reason:
+            print(f"colibri serve: {exc.reason}", file=sys.stderr)
         return 2
 
 
@@ -299,11 +364,25 @@ def run_server(command, env, args, weights) -> int:
     url = f"http://{args.host}:{args.http_port}"
 
     def launch():
-        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once.
-        return subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which forwards it once. Its
+        # output passes through the launcher, which keeps the reason should it fail (ServerOutput).
+        server = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        server.colibri_output = ServerOutput(server)
+        return server
 
     def wait_ready(server):
-        wait_until_ready(server, f"{url}/v2/health/ready", args.ready_timeout, server_id=args.server_id)
+        try:
+            wait_until_ready(server, f"{url}/v2/health/ready", args.ready_timeout, server_id=args.server_id)
+        except ServeError as exc:
+            if server.poll() is None or exc.reason is not None:
+                raise
+            reason = server.colibri_output.reason()
+            if reason is None:
+                raise
+            if MODEL_NAME in reason:  # most often the checkpoint: say how to check one without a server
+                exc.message += f"; `python -m colibri info {weights}` checks the checkpoint"
+            raise ServeError(exc.message, reason) from None
 
     guard = watchdog.watchdog_from_args(launch, wait_ready, url, MODEL_NAME, args)
     for signum in (signal.SIGINT, signal.SIGTERM):
