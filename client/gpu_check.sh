@@ -33,6 +33,11 @@ tar xJf .whl/site-py312.tar.xz -C "$work/site"
 tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
 echo 'raise ImportError("torch is not installed here (client/gpu_check.sh: the server must not need it)")' \
   > "$work/notorch/torch/__init__.py"
+# cuda-bindings 12.9 (tritonclient's CUDA shared memory) opens libcudart.so.12 by that name: the
+# bundle's CUDA 12 runtime answers to it.
+mkdir -p "$work/cudart"
+ln -sf "$(ls "$work"/triton/nvidia_pytriton.libs/libcudart-*.so.12*)" "$work/cudart/libcudart.so.12"
+export LD_LIBRARY_PATH="$work/cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The bundle's pytriton/ (a namespace package there) is how `colibri serve` finds tritonserver.
 export PYTHONPATH="$work/site:$work/triton:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 server_path="$work/notorch:$PYTHONPATH"
