@@ -54,6 +54,12 @@ typedef struct {
     const char *start, *p, *end;
 } json_t;
 
+/* Is c one of the characters of set? (strchr alone would also find a NUL byte: the terminator) */
+static int one_of(char c, const char *set)
+{
+    return c != '\0' && strchr(set, c) != NULL;
+}
+
 static void json_space(json_t *j)
 {
     while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r'))
@@ -147,7 +153,7 @@ static int json_uint(json_t *j, uint64_t *out)
             return fail("header: an integer too large for 64 bits");
         value = value * 10 + digit;
     }
-    if (j->p == start || (j->p < j->end && strchr(".eE-+", *j->p)))
+    if (j->p == start || (j->p < j->end && one_of(*j->p, ".eE-+")))
         return fail("header: expected a non-negative integer");
     *out = value;
     return 1;
@@ -193,9 +199,9 @@ static int json_skip(json_t *j, int depth)
         } while (json_peek(j, ','));
         return json_char(j, close);
     }
-    if (!strchr("-0123456789tfn", *j->p))
-        return fail("header: unexpected character '%c'", *j->p);
-    while (j->p < j->end && (isalnum((unsigned char)*j->p) || strchr("+-.", *j->p)))
+    if (!one_of(*j->p, "-0123456789tfn"))
+        return fail("header: unexpected byte 0x%02x at byte %ld of the JSON", (unsigned char)*j->p, (long)(j->p - j->start));
+    while (j->p < j->end && (isalnum((unsigned char)*j->p) || one_of(*j->p, "+-.")))
         j->p++; /* a number, true, false or null */
     return 1;
 }
