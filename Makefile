@@ -185,17 +185,20 @@ examples: $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO)
 	  $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda; fi
 
 # Headless Locust against a server already up (`make serve`; it starts none): Locust's CSVs,
-# summary.json, latency.png and the table, in LOADTEST_OUT. LOADTEST_STEPS=1,4,16,64 steps the users
-# (LOADTEST_STEP_TIME s each) for P99 against concurrency. Settings: loadtest/run.py --help.
+# summary.json, latency.png and the table (P99 time-to-first-token first), in LOADTEST_OUT.
+# LOADTEST_STEPS=1,4,16,64 steps the users (LOADTEST_STEP_TIME s each) for P99 against concurrency.
+# gRPC goes to LOADTEST_HOST's host on port 8001; LOADTEST_GRPC_URL=HOST:PORT sends it elsewhere.
+# LOADTEST_PROTOCOLS=grpc,http,cudashm picks the users. Settings: loadtest/run.py --help.
 LOADTEST_HOST    ?= http://127.0.0.1:8000
+LOADTEST_GRPC_URL ?=
 LOADTEST_TIME    ?= 60s
 LOADTEST_USERS   ?= 16
 LOADTEST_PROFILE ?= decode-heavy
 LOADTEST_OUT     ?= runs/loadtest
 .PHONY: loadtest
 loadtest: venv
-	$(PY) loadtest/run.py --host $(LOADTEST_HOST) --time $(LOADTEST_TIME) --users $(LOADTEST_USERS) \
-	  --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
+	$(PY) loadtest/run.py --host $(LOADTEST_HOST) --grpc-url "$(LOADTEST_GRPC_URL)" --time $(LOADTEST_TIME) \
+	  --users $(LOADTEST_USERS) --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
 
 clean:
 	rm -rf $(BUILD) build-asan build-valgrind build-fuzz backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so

@@ -25,8 +25,9 @@ from colibri.testing import error_limit  # noqa: E402
 
 MODEL = "colibri_moe"
 DEFAULT_WEIGHTS = REPO_ROOT / "model_repository" / MODEL / "1" / "weights.colibri.safetensors"
-# Activation dtype -> (Triton datatype, numpy dtype the values are held in). tritonclient takes and
-# gives BF16 as float32 values; bytes in shared memory are bf16 bits (see raw_bytes / from_raw).
+# Activation dtype -> (Triton datatype, numpy dtype the values are held in). BF16 values are held as
+# float32 (exactly representable); gRPC sends them as tritonclient's BF16 dtype (wire_array), shared
+# memory as bf16 bits (raw_bytes / from_raw).
 WIRE_DTYPES = {"fp32": ("FP32", np.float32), "fp16": ("FP16", np.float16), "bf16": ("BF16", np.float32)}
 # The largest accepted max |output - reference| / max |reference| is colibri.testing's limit for the
 # least precise of the wire dtype and the weight dtype: the reference is computed from exactly the
@@ -41,7 +42,9 @@ def parser(description: str, default_url: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--url", default=default_url, help=f"server address (default {default_url})")
     p.add_argument("--weights", type=Path, default=DEFAULT_WEIGHTS,
-                   help="the packed checkpoint the server serves (default: the repository's demo one)")
+                   help="the packed checkpoint the server serves, which the answers are checked against "
+                        "(default: the demo one `make serve` serves, model_repository/colibri_moe/1/"
+                        "weights.colibri.safetensors)")
     p.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="fp32",
                    help="activation dtype the server was started with (serve --dtype)")
     p.add_argument("--tokens", type=int, default=7, help="tokens per request")
@@ -103,6 +106,13 @@ def requests(layer: Layer, tokens: int, dtype: str, seed: int):
     return cases
 
 
+def wire_array(array, datatype) -> np.ndarray:
+    """The array as tritonclient's InferInput takes it for datatype (BF16: ml_dtypes.bfloat16, exact for
+    the values Layer.hidden_states draws)."""
+    from tritonclient.utils import triton_to_np_dtype
+    return np.ascontiguousarray(array).astype(triton_to_np_dtype(datatype), copy=False)
+
+
 def raw_bytes(array, datatype) -> np.ndarray:
     """The array as the server holds it in memory (BF16: bits)."""
     return float32_to_bf16(array) if datatype == "BF16" else array
@@ -139,14 +149,25 @@ def check(infer, layer: Layer, args) -> bool:
     return ok
 
 
-def main(description: str, default_url: str, make_infer, add_arguments=None) -> None:
-    """Parses arguments (the client's own through add_arguments(parser)), builds the client's infer
-    with make_infer(args, layer) and checks every case."""
+def main(description: str, default_url: str, make_infer, add_arguments=None, preflight=None) -> None:
+    """Parses arguments (the client's own through add_arguments(parser)), runs preflight(args) (a
+    client's check of this host, which exits with its own message), builds the client's infer with
+    make_infer(args, layer) and checks every case."""
     p = parser(description, default_url)
     if add_arguments is not None:
         add_arguments(p)
     args = p.parse_args()
+    if preflight is not None:
+        preflight(args)
+    if not args.weights.is_file():
+        sys.exit(f"{p.prog}: no checkpoint at {args.weights}: pass --weights FILE, the file the server "
+                 f"serves (`colibri serve --weights FILE`), or run `make serve` once for the demo one")
     layer = Layer(args.weights)
+    c = layer.config
+    default = " (the default: the demo checkpoint `make serve` serves)" if args.weights == DEFAULT_WEIGHTS else ""
+    print(f"checking against {args.weights}{default}: {c.num_experts} experts, top-{c.top_k}, "
+          f"hidden {c.hidden_size}, {c.weight_dtype} weights; a server started with another checkpoint "
+          f"needs --weights FILE, the file it serves", flush=True)
     sys.exit(0 if check(make_infer(args, layer), layer, args) else 1)
 
 

@@ -1,7 +1,7 @@
 """Sends random hidden states to colibri_moe over gRPC and checks the answers (see common.py)."""
 import tritonclient.grpc as grpcclient
 
-from common import MODEL, main
+from common import MODEL, main, wire_array
 
 
 def make_infer(args, layer):
@@ -11,7 +11,7 @@ def make_infer(args, layer):
         tensors = []
         for name, array, datatype in inputs:
             tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(array)
+            tensor.set_data_from_numpy(wire_array(array, datatype))
             tensors.append(tensor)
         result = client.infer(MODEL, tensors, outputs=[grpcclient.InferRequestedOutput("output")])
         return result.as_numpy("output")

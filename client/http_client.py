@@ -1,6 +1,7 @@
 """Sends random hidden states to colibri_moe over HTTP with plain JSON bodies (no binary extension,
 only the standard library) and checks the answers (see common.py)."""
 import json
+import sys
 import urllib.error
 import urllib.request
 
@@ -27,5 +28,12 @@ def make_infer(args, layer):
     return infer
 
 
+def json_carries_dtype(args):
+    """Triton takes BF16 only as binary data: say so in one line rather than FAIL every case."""
+    if args.dtype == "bf16":
+        sys.exit("http_client: Triton accepts no BF16 in JSON bodies; for a server started with --dtype bf16 "
+                 "use grpc_client.py or shm_client.py")
+
+
 if __name__ == "__main__":
-    main(__doc__, "127.0.0.1:8000", make_infer)
+    main(__doc__, "127.0.0.1:8000", make_infer, preflight=json_carries_dtype)

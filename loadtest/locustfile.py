@@ -11,7 +11,8 @@ profile; an error answer or one of the wrong shape is a failure.
 
 Settings, as Locust options or environment variables (defaults in brackets):
   --host                 http://HOST:PORT of Triton's HTTP endpoint [http://127.0.0.1:8000]
-  --grpc-url  LOADTEST_GRPC_URL  host:port of the gRPC endpoint [the --host host, port 8001]
+  --grpc-url  LOADTEST_GRPC_URL  host:port of the gRPC endpoint [the --host host, port 8001: only a
+                                 gRPC endpoint elsewhere needs it]
   --model     LOADTEST_MODEL     model name [colibri_moe]
   --mix       LOADTEST_MIX       profile weights "decode:9,prefill:1", or a preset: decode-heavy,
                                  prefill-heavy, decode, prefill [decode-heavy]
@@ -27,7 +28,9 @@ Settings, as Locust options or environment variables (defaults in brackets):
 Pick the protocols by naming the user classes: `locust -f loadtest/locustfile.py GrpcUser HttpUser`.
 CudaShmUser sends over gRPC with hidden_states and output in CUDA shared memory (one input and one
 output region per user, registered once): the path of a client whose hidden states already live on
-a GPU. It needs a GPU, torch and cuda-python; its latency includes the device copy into the region.
+a GPU. It needs a GPU, cupy and cuda-python (`pip install -c constraints.txt cupy-cuda12x cuda-python`);
+without them the run stops at once with one line saying what is missing. This file imports neither, so
+GrpcUser and HttpUser run anywhere (the compose loadtest image has no GPU).
 """
 import atexit
 import csv
@@ -50,53 +53,30 @@ grpc_gevent.init_gevent()
 import numpy as np  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-import tritonclient.grpc._infer_input  # noqa: E402  (serialize_bf16_tensor below)
-import tritonclient.grpc._infer_result  # noqa: E402
-import tritonclient.http._infer_input  # noqa: E402
-import tritonclient.http._infer_result  # noqa: E402
-import tritonclient.utils  # noqa: E402
+from tritonclient.utils import triton_to_np_dtype  # noqa: E402
 
 PROFILES = ("decode", "prefill")
 MIX_PRESETS = {"decode-heavy": "decode:9,prefill:1", "prefill-heavy": "decode:1,prefill:3",
                "decode": "decode:1", "prefill": "prefill:1"}
-# Triton activation types -> (wire datatype, numpy dtype tritonclient takes). BF16 travels as float32
-# values that tritonclient truncates to bf16 (serialize_bf16_tensor, below); over CUDA shared memory
-# bf16 is written as bits instead.
-WIRE_TYPES = {"TYPE_FP32": ("FP32", np.float32), "TYPE_FP16": ("FP16", np.float16),
-              "TYPE_BF16": ("BF16", np.float32)}
+# Triton activation types -> wire datatype. The numpy dtype of each is tritonclient's own
+# (triton_to_np_dtype): BF16 is ml_dtypes.bfloat16, which InferInput packs with one tobytes() and
+# as_numpy reads with one frombuffer, where tritonclient 2.5x packed BF16 element by element in Python
+# and saturated this load generator (bench/serving/README.md, "On the CPU").
+WIRE_TYPES = {"TYPE_FP32": "FP32", "TYPE_FP16": "FP16", "TYPE_BF16": "BF16"}
 REQUEST_TIMEOUT_S = 120.0
+GRPC_PORT = 8001  # Triton's default, and `make serve`'s
 
 
-def serialize_bf16_tensor(input_tensor: np.ndarray) -> np.ndarray:
-    """tritonclient.utils.serialize_bf16_tensor without its loop: the same bytes (each float32's upper
-    two bytes, little-endian, row-major) as a 0-d object array holding them. tritonclient packs BF16 one
-    element at a time in Python (struct.pack per element), which for prompts of thousands of elements
-    saturated the load generator and stalled every user's timing with it (bench/serving/README.md, "On
-    the CPU"). tests/test_loadtest.py checks the bytes against tritonclient's own."""
-    if input_tensor.size == 0:
-        return np.empty([0], dtype=np.object_)
-    if input_tensor.dtype != np.float32:
-        raise tritonclient.utils.InferenceServerException("cannot serialize bf16 tensor: invalid datatype")
-    upper = (np.ascontiguousarray(input_tensor).view(np.uint32) >> 16).astype("<u2")
-    return np.asarray(upper.tobytes(), dtype=np.object_)
+def wire_array(values: np.ndarray, wire: str) -> np.ndarray:
+    """values as the numpy array tritonclient sends for datatype `wire` (BF16: rounded to nearest even,
+    as colibri.dtypes.float32_to_bf16 rounds)."""
+    return np.ascontiguousarray(values).astype(triton_to_np_dtype(wire))
 
 
-def deserialize_bf16_tensor(encoded_tensor: bytes) -> np.ndarray:
-    """tritonclient.utils.deserialize_bf16_tensor without its loop (struct.unpack per element, for the
-    answers): the same float32 values, the same [n, 1] array."""
-    upper = np.frombuffer(encoded_tensor, dtype="<u2", count=len(encoded_tensor) // 2)
-    return (upper.astype(np.uint32) << 16).view(np.float32).reshape(-1, 1)
-
-
-# The InferInput and InferResult modules of both protocols call these by the names they imported;
-# this process's requests and answers use the versions above.
-for _module, _name, _function in (
-        (tritonclient.grpc._infer_input, "serialize_bf16_tensor", serialize_bf16_tensor),
-        (tritonclient.http._infer_input, "serialize_bf16_tensor", serialize_bf16_tensor),
-        (tritonclient.grpc._infer_result, "deserialize_bf16_tensor", deserialize_bf16_tensor),
-        (tritonclient.http._infer_result, "deserialize_bf16_tensor", deserialize_bf16_tensor)):
-    if hasattr(_module, _name):
-        setattr(_module, _name, _function)
+def storage_bits(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as the server holds them: bf16 as uint16 bits (cupy and DLPack consumers know
+    no bfloat16 dtype), other dtypes unchanged."""
+    return array.view(np.uint16) if array.dtype == triton_to_np_dtype("BF16") else array
 
 
 def parse_mix(text: str) -> dict:
@@ -174,7 +154,8 @@ def model_shape(client, model: str, hidden_override: int) -> dict:
             client, grpcclient.InferenceServerClient) else {}))
         config = config.get("config", config)
         hidden_states = next(t for t in config["input"] if t["name"] == "hidden_states")
-        wire, np_dtype = WIRE_TYPES[hidden_states.get("data_type", "TYPE_FP32")]
+        wire = WIRE_TYPES[hidden_states.get("data_type", "TYPE_FP32")]
+        np_dtype = triton_to_np_dtype(wire)
         dims = [int(d) for d in hidden_states.get("dims", [])]
         hidden = hidden_override or (dims[-1] if dims and dims[-1] > 0 else 0)
         if not hidden:
@@ -193,7 +174,7 @@ def input_pool(shape: dict, tokens: int) -> np.ndarray:
     key = (shape["hidden"], np.dtype(shape["np_dtype"]).name)
     pool = _pools.get(key)
     if pool is None or pool.shape[0] < tokens:
-        pool = np.random.default_rng(0).standard_normal((tokens, shape["hidden"])).astype(shape["np_dtype"])
+        pool = wire_array(np.random.default_rng(0).standard_normal((tokens, shape["hidden"])), shape["wire"])
         _pools[key] = pool
     return pool
 
@@ -316,9 +297,23 @@ class TritonUser(User):
             exception=exception, context={"tokens": tokens, "model": self.model})
 
 
+def _host_port(hostname: str, port: int) -> str:
+    return f"[{hostname}]:{port}" if ":" in hostname else f"{hostname}:{port}"  # IPv6 in brackets
+
+
 def http_address(host: str) -> str:
+    """host:port of Triton's HTTP endpoint from --host (http://HOST:PORT, or HOST:PORT)."""
     parts = urlsplit(host if "://" in host else f"http://{host}")
-    return f"{parts.hostname or '127.0.0.1'}:{parts.port or 8000}"
+    return _host_port(parts.hostname or "127.0.0.1", parts.port or 8000)
+
+
+def grpc_address(host: str, grpc_url: str = "") -> str:
+    """host:port of the gRPC endpoint: --grpc-url when given, else --host's host on port 8001, so a
+    run pointed at another machine sends every protocol there."""
+    if grpc_url:
+        return grpc_url
+    parts = urlsplit(host if "://" in host else f"http://{host}")
+    return _host_port(parts.hostname or "127.0.0.1", GRPC_PORT)
 
 
 class GrpcUser(TritonUser):
@@ -328,8 +323,7 @@ class GrpcUser(TritonUser):
     infer_options = {"client_timeout": REQUEST_TIMEOUT_S}
 
     def make_client(self, options):
-        url = options.grpc_url or f"{http_address(self.host).rsplit(':', 1)[0]}:8001"
-        return grpcclient.InferenceServerClient(url)
+        return grpcclient.InferenceServerClient(grpc_address(self.host, options.grpc_url))
 
 
 class HttpUser(TritonUser):
@@ -343,9 +337,39 @@ class HttpUser(TritonUser):
                                                 network_timeout=REQUEST_TIMEOUT_S)
 
 
-# torch element types of the wire datatypes (bf16 regions hold bf16 bits, not tritonclient's float32)
-_TORCH_WIRE = {"FP32": "float32", "FP16": "float16", "BF16": "bfloat16"}
 _gpu_pools = {}
+
+
+def cuda_problem(device_id: int = 0):
+    """None when CudaShmUser can run here, else one line saying what is missing (cupy, a GPU,
+    cuda-python). Imported here only: the other users need none of these."""
+    try:
+        import cupy
+    except ImportError:
+        return "CudaShmUser needs cupy (pip install -c constraints.txt cupy-cuda12x, or cupy-cuda11x)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver or no device: cupy raises CUDARuntimeError
+        return f"CudaShmUser needs a CUDA GPU; none is usable here ({exc})"
+    if device_id >= count:
+        return f"CudaShmUser: LOADTEST_CUDA_DEVICE={device_id}, but {count} GPU(s) are visible"
+    try:
+        import tritonclient.utils.cuda_shared_memory  # noqa: F401
+    except Exception as exc:  # RuntimeError without cuda-python
+        return f"CudaShmUser needs tritonclient's CUDA shared-memory utilities: {exc}"
+    return None
+
+
+@events.init.add_listener
+def refuse_cudashm_without_gpu(environment, **_kwargs):
+    """A run with CudaShmUser on a host that cannot run it stops here with one line, rather than every
+    user failing in on_start with a traceback."""
+    if CudaShmUser in (environment.user_classes or []):
+        problem = cuda_problem(CudaShmUser.device_id)
+        if problem:
+            sys.stderr.write(f"loadtest: {problem}\n")
+            sys.stderr.flush()
+            os._exit(2)  # before any gRPC channel exists; SystemExit would be logged with a traceback
 
 
 class CudaShmUser(GrpcUser):
@@ -353,23 +377,27 @@ class CudaShmUser(GrpcUser):
     copies its rows device to device into the input region (not timed, like the other users' encoding)
     and names both regions; nothing crosses the wire but the request header. Latency is the round
     trip; the output stays on the GPU, as a GPU consumer would take it, its shape checked from the
-    reply."""
+    reply. GPU arrays are cupy's; bf16 rows are held as their uint16 bits (cupy has no bfloat16), which
+    is all a byte copy into the region needs."""
     protocol = "cudashm"
     device_id = int(os.environ.get("LOADTEST_CUDA_DEVICE", "0"))
 
     def on_start(self):
-        import torch  # here, not at import: only this user needs a GPU
+        problem = cuda_problem(self.device_id)
+        if problem:
+            raise RuntimeError(problem)
+        import cupy
         import tritonclient.utils.cuda_shared_memory as cudashm
         self.cudashm, self.regions = cudashm, []
         super().on_start()
         key = (self.shape["hidden"], self.shape["wire"])
         pool = _gpu_pools.get(key)
         if pool is None or pool.shape[0] < self.pool.shape[0]:
-            dtype = getattr(torch, _TORCH_WIRE[self.shape["wire"]])
-            pool = torch.from_numpy(self.pool).to(f"cuda:{self.device_id}").to(dtype).contiguous()
+            with cupy.cuda.Device(self.device_id):
+                pool = cupy.asarray(storage_bits(self.pool))  # C-contiguous, as the region copy needs
             _gpu_pools[key] = pool
         self.gpu_pool = pool
-        self.row_bytes = self.shape["hidden"] * pool.element_size()
+        self.row_bytes = self.shape["hidden"] * pool.itemsize
         nbytes = self.prefill_range[1] * self.row_bytes
         tag = f"locust_{os.getpid()}_{id(self):x}"
         self.input_region, self.output_region = f"{tag}_in", f"{tag}_out"
@@ -380,17 +408,19 @@ class CudaShmUser(GrpcUser):
         self.handle_in = self.regions[0][1]
 
     def on_stop(self):
-        for name, handle in reversed(self.regions):
+        for name, handle in reversed(getattr(self, "regions", [])):
             try:
                 self.client.unregister_cuda_shared_memory(name)
             except Exception:  # Triton may still hold an output region for a moment; the server frees it
                 pass
             self.cudashm.destroy_shared_memory_region(handle)
         self.regions = []
-        super().on_stop()
+        if getattr(self, "client", None) is not None:
+            super().on_stop()
 
     def prepare(self, tokens: int):
         nbytes = tokens * self.row_bytes
+        # a leading-rows slice of a C-contiguous array is C-contiguous: one copy into the region
         self.cudashm.set_shared_memory_region_from_dlpack(self.handle_in, [self.gpu_pool[:tokens]])
         tensor = grpcclient.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
         tensor.set_shared_memory(self.input_region, nbytes)
@@ -401,7 +431,7 @@ class CudaShmUser(GrpcUser):
     def output_shape(self, result):
         output = result.get_output("output")
         return (None, 0) if output is None else ([int(d) for d in output.shape],
-                                                 int(np.prod(output.shape)) * self.gpu_pool.element_size())
+                                                 int(np.prod(output.shape)) * self.gpu_pool.itemsize)
 
 
 if os.environ.get("LOADTEST_STEPS"):

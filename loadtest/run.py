@@ -15,13 +15,24 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import summary as load_summary  # noqa: E402  (beside this file)
 
 LOCUSTFILE = HERE / "locustfile.py"
-USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser", "cudashm": "CudaShmUser"}  # cudashm: GPU, torch, cuda-python
+USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser", "cudashm": "CudaShmUser"}  # cudashm: GPU, cupy, cuda-python
+GRPC_PORT = 8001  # as loadtest/locustfile.py's grpc_address
+
+
+def grpc_address(host: str, grpc_url: str = "") -> str:
+    """The gRPC endpoint a run uses: grpc_url, else host's host on port 8001 (the locustfile's rule,
+    which this file cannot import: importing Locust patches the standard library for gevent)."""
+    if grpc_url:
+        return grpc_url
+    hostname = urlsplit(host if "://" in host else f"http://{host}").hostname or "127.0.0.1"
+    return f"[{hostname}]:{GRPC_PORT}" if ":" in hostname else f"{hostname}:{GRPC_PORT}"
 
 
 class NotReady(RuntimeError):
@@ -39,6 +50,24 @@ def check_ready(host: str, model: str) -> None:
             pass
         raise NotReady(f"{what} is not ready at {host}: start a server first (`make serve` in another "
                        f"terminal) or point LOADTEST_HOST at one")
+
+
+def check_grpc_ready(url: str, model: str, given: bool) -> None:
+    """Raises NotReady unless model is ready over gRPC at url (host:port), naming how to set it."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        if client.is_model_ready(model, client_timeout=5):
+            return
+        problem = f"model {model} is not ready"
+    except InferenceServerException as exc:
+        problem = f"no answer ({str(exc).splitlines()[0][:120]})"
+    finally:
+        client.close()
+    how = "" if given else " (the --host host, port 8001)"
+    raise NotReady(f"gRPC at {url}{how}: {problem}; set LOADTEST_GRPC_URL=HOST:PORT (--grpc-url) to the "
+                   f"server's gRPC endpoint, or leave grpc out of LOADTEST_PROTOCOLS")
 
 
 def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_moe", users: int = 8,
@@ -61,7 +90,8 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
                "--csv", str(out / "locust"), "--csv-full-history", "--json-file", str(out / "locust_final"),
                "--model", model, "--mix", mix, "--prefill-tokens", prefill_tokens, "--samples-dir", str(out),
                "--loglevel", "WARNING" if quiet else "INFO"]
-    if grpc_url:
+    grpc_url = grpc_address(host, grpc_url)
+    if set(protocols) & {"grpc", "cudashm"}:
         command += ["--grpc-url", grpc_url]
     if hidden:
         command += ["--hidden", str(hidden)]
@@ -81,6 +111,7 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
         f"{model}, users stepped {steps} ({step_time:g} s each)" if steps else f"{model}, {users} users, {run_time}")
         + f", mix {mix}")
     summary.update(model=model, users=users, mix=mix, protocols=list(protocols), rate_per_user=rate,
+                   host=host, grpc_url=grpc_url if set(protocols) & {"grpc", "cudashm"} else None,
                    locust_exit_status=result.returncode)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -90,7 +121,8 @@ def parse_args(argv):
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--host", default=env("LOADTEST_HOST", "http://127.0.0.1:8000"), help="Triton HTTP endpoint")
-    p.add_argument("--grpc-url", default=env("LOADTEST_GRPC_URL", ""), help="host:port (default: host, port 8001)")
+    p.add_argument("--grpc-url", default=env("LOADTEST_GRPC_URL", ""),
+                   help="gRPC host:port (default: the --host host, port 8001)")
     p.add_argument("--model", default=env("LOADTEST_MODEL", "colibri_moe"))
     p.add_argument("--users", type=int, default=int(env("LOADTEST_USERS", "16")))
     p.add_argument("--time", default=env("LOADTEST_TIME", "60s"), help="Locust run time (30s, 2m)")
@@ -121,6 +153,8 @@ def main(argv=None) -> int:
         return 2
     try:
         check_ready(args.host, args.model)
+        if set(protocols) & {"grpc", "cudashm"}:
+            check_grpc_ready(grpc_address(args.host, args.grpc_url), args.model, bool(args.grpc_url))
     except NotReady as exc:
         print(f"loadtest: {exc}", file=sys.stderr)
         return 2
@@ -128,7 +162,8 @@ def main(argv=None) -> int:
                        users=args.users, run_time=args.time, mix=args.mix, protocols=protocols,
                        prefill_tokens=args.prefill_tokens, steps=args.steps, step_time=args.step_time,
                        processes=args.processes, rate=args.rate)
-    print(f"\nloadtest: {args.model} at {args.host}, mix {args.mix}, "
+    grpc = f" (gRPC {summary['grpc_url']})" if summary.get("grpc_url") else ""
+    print(f"\nloadtest: {args.model} at {args.host}{grpc}, mix {args.mix}, "
           + (f"users stepped {args.steps} ({args.step_time:.0f} s each)" if args.steps else
              f"{args.users} users for {args.time}")
           + f"; files in {args.out}/ (summary.json, latency.png, locust_*.csv)")

@@ -7,6 +7,16 @@ Locust's rounded histogram; Locust's request and failure counts are kept beside 
 The user count of each request is the one Locust's history shows at the time its answer came, so a
 stepped ramp (LOADTEST_STEPS) gives P99 against concurrency from one run.
 
+What the profiles measure: a `prefill` request is a prompt, so its latency is this layer's share of
+time-to-first-token (TTFT); a `decode` request is one token, this layer's share of the time per
+output token (TPOT). summary.json's `ttft_p99_ms` is the P99 over every successful prefill request.
+
+Every percentile comes with the number of requests behind it (`samples`), and a percentile resting on
+fewer than MIN_SAMPLES requests is listed in `few_samples` and marked `*` in the table and hollow in the
+plot: P_p needs at least 100/(100-p) samples for one of them to lie above it (P99: 100, P95: 20; P50:
+10, by choice). The plot's time windows are at least WINDOW_MIN_S long and are merged until each holds
+MIN_SAMPLES["p99_ms"] requests of its profile, so each plotted P99 can be read.
+
     python loadtest/summary.py FOLDER [--prefix locust]
 """
 import argparse
@@ -18,6 +28,11 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 95, 99)
+# Fewest samples behind a trustworthy percentile: at least one sample above it (100/(100-p)), and 10.
+MIN_SAMPLES = {f"p{p}_ms": max(10, int(np.ceil(100.0 / (100 - p)))) for p in PERCENTILES}
+WINDOW_MIN_S = 1.0
+METRICS = {"prefill": "TTFT", "decode": "TPOT"}  # what each profile's latency is this layer's share of
+METRIC_NAMES = {"TTFT": "time-to-first-token", "TPOT": "time per output token"}
 
 
 def read_samples(folder: Path) -> dict:
@@ -63,9 +78,14 @@ def read_locust_totals(folder: Path, prefix: str) -> dict:
 
 
 def percentiles(latency_ms) -> dict:
-    if len(latency_ms) == 0:
-        return {f"p{p}_ms": None for p in PERCENTILES}
-    return {f"p{p}_ms": float(np.percentile(latency_ms, p, method="inverted_cdf")) for p in PERCENTILES}
+    """p50_ms/p95_ms/p99_ms of the latencies, the count behind them (samples) and the percentiles
+    that count is too small for (few_samples, keys of MIN_SAMPLES)."""
+    n = int(len(latency_ms))
+    few = [key for key, needed in MIN_SAMPLES.items() if n < needed]
+    if n == 0:
+        return {**{f"p{p}_ms": None for p in PERCENTILES}, "samples": 0, "few_samples": few}
+    return {**{f"p{p}_ms": float(np.percentile(latency_ms, p, method="inverted_cdf")) for p in PERCENTILES},
+            "samples": n, "few_samples": few}
 
 
 def users_at(history, times) -> tuple:
@@ -89,7 +109,7 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
                 continue
             ok = mask & ~samples["failed"]
             groups.append({
-                "protocol": protocol, "profile": profile, "requests": int(mask.sum()),
+                "protocol": protocol, "profile": profile, "metric": METRICS.get(profile), "requests": int(mask.sum()),
                 "failures": int((mask & samples["failed"]).sum()),
                 **percentiles(samples["latency_ms"][ok]),
                 "mean_ms": float(np.mean(samples["latency_ms"][ok])) if ok.any() else None,
@@ -99,8 +119,17 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
                 "locust_requests": locust_totals.get((protocol, profile), (None, None))[0],
             })
     ok = ~samples["failed"]
+    prefill = ok & (samples["profile"] == "prefill")
+    ttft = percentiles(samples["latency_ms"][prefill])
     summary = {
-        "folder": str(folder), "duration_s": duration, "groups": groups,
+        "folder": str(folder), "duration_s": duration,
+        # The figure a user came for: P99 time-to-first-token, this layer's share (prefill requests,
+        # every protocol together; per protocol in groups). None without prefill requests.
+        "ttft_p99_ms": ttft["p99_ms"], "ttft_samples": ttft["samples"],
+        "ttft": {"what": "latency of prefill requests (this layer's share of time-to-first-token), all protocols",
+                 **ttft, "protocols": sorted(set(samples["protocol"][prefill].tolist()))},
+        "min_samples": MIN_SAMPLES,
+        "groups": groups,
         "total": {"requests": int(len(ok)), "failures": int((~ok).sum()), **percentiles(samples["latency_ms"][ok]),
                   "throughput_rps": float(ok.sum() / duration) if duration > 0 else None,
                   "locust_requests": locust_totals.get("total", (None, None))[0],
@@ -121,11 +150,36 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
                 if mask.any():
                     summary["by_users"].append({
                         "users": int(count), "protocol": group["protocol"], "profile": group["profile"],
+                        "metric": group["metric"],
                         "requests": int(mask.sum()), "failures": int((in_group & ~ok).sum()),
                         "seconds": span, "throughput_rps": float(mask.sum() / span) if span > 0 else None,
                         "tokens_per_s": float(samples["tokens"][mask].sum() / span) if span > 0 else None,
                         **percentiles(samples["latency_ms"][mask])})
     return summary, samples, history
+
+
+def windows(seconds, min_seconds: float, min_samples: int) -> list:
+    """Consecutive windows over the sample times `seconds`: [start, end, indices], each at least
+    min_seconds long and holding at least min_samples samples; what is left at the end (too short or
+    too few) joins the last window. With fewer than min_samples in all, one window holds them all."""
+    order = np.argsort(seconds, kind="stable")
+    result, low, first = [], 0.0, 0
+    for i, index in enumerate(order):
+        if i + 1 - first >= min_samples and seconds[index] - low >= min_seconds:
+            result.append([low, float(seconds[index]), order[first:i + 1]])
+            low, first = float(seconds[index]), i + 1
+    if first < len(order):
+        if result:
+            result[-1][1] = float(seconds[order[-1]])
+            result[-1][2] = np.concatenate([result[-1][2], order[first:]])
+        else:
+            result.append([low, float(seconds[order[-1]]), order[first:]])
+    return result
+
+
+def profile_label(profile: str) -> str:
+    metric = METRICS.get(profile)
+    return f"{profile} ({metric})" if metric else profile
 
 
 def plot(summary: dict, samples: dict, history, path: Path, title: str = "") -> None:
@@ -134,62 +188,132 @@ def plot(summary: dict, samples: dict, history, path: Path, title: str = "") -> 
     matplotlib.use("Agg")  # no display on servers and in CI
     import matplotlib.pyplot as plt
 
-    fig, (over_time, by_users) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (over_time, by_users) = plt.subplots(1, 2, figsize=(13, 6.2))
     start = float(np.min(samples["end"] - samples["latency_ms"] / 1000.0))
     seconds = samples["end"] - start
-    window = max(1.0, summary["duration_s"] / 40)
-    edges = np.arange(0.0, summary["duration_s"] + window, window)
-    styles = {50: ":", 95: "--", 99: "-"}
+    min_seconds = max(WINDOW_MIN_S, summary["duration_s"] / 40)
+    needed = MIN_SAMPLES["p99_ms"]
+    styles = {50: ".:", 95: ".--", 99: ".-"}
     ok = ~samples["failed"]
     for color, profile in zip(("tab:blue", "tab:orange", "tab:green"), sorted(set(samples["profile"]))):
         mask = ok & (samples["profile"] == profile)
-        bins = np.digitize(seconds[mask], edges)
-        centers = [(edges[b - 1] + window / 2) for b in sorted(set(bins))]
+        if not mask.any():
+            continue
+        latency = samples["latency_ms"][mask]
+        spans = windows(seconds[mask], min_seconds, needed)
+        centers = [(low + high) / 2 for low, high, _ in spans]
+        counts = [len(indices) for _, _, indices in spans]
+        sizes = f"{min(counts)}" if min(counts) == max(counts) else f"{min(counts)}-{max(counts)}"
         for p in PERCENTILES:
-            values = [np.percentile(samples["latency_ms"][mask][bins == b], p, method="inverted_cdf")
-                      for b in sorted(set(bins))]
-            over_time.plot(centers, values, styles[p], color=color, label=f"{profile} P{p}")
-    over_time.set(xlabel=f"time (s), {window:.0f}-s windows", ylabel="latency (ms)",
-                  title="Latency percentiles over time (both protocols)", yscale="log")
-    over_time.legend(fontsize=7, ncol=2)
+            values = [np.percentile(latency[indices], p, method="inverted_cdf") for _, _, indices in spans]
+            label = f"{profile_label(profile)} P{p}"
+            if p == 99:
+                label += f" ({len(spans)} window{'s' if len(spans) > 1 else ''} of {sizes} requests)"
+            over_time.plot(centers, values, styles[p], color=color, label=label)
+            if p == 99:  # what each window spans
+                over_time.hlines(values, [s[0] for s in spans], [s[1] for s in spans], color=color, alpha=0.3)
+            if p == 99:  # a window too thin for its P99 (a profile with fewer requests in all): hollow
+                thin = [i for i, n in enumerate(counts) if n < needed]
+                over_time.plot([centers[i] for i in thin], [values[i] for i in thin], "o", mfc="none",
+                               color=color)
+                for i in thin:
+                    over_time.annotate(f"n={counts[i]}", (centers[i], values[i]), fontsize=7, color=color,
+                                       textcoords="offset points", xytext=(3, 3))
+    over_time.set(xlabel=f"time (s); windows of at least {min_seconds:.0f} s and {needed} requests of their profile",
+                  ylabel="latency (ms)", yscale="log",
+                  title="Latency percentiles over time (both protocols)\nprefill = TTFT (time-to-first-token), "
+                        "decode = TPOT (time per output token)")
+    over_time.title.set_fontsize(9)
+    over_time.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    over_time.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    over_time.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    over_time.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     if history is not None:
         users_axis = over_time.twinx()
         users_axis.step(history[0] - start, history[1], where="post", color="grey", alpha=0.5)
         users_axis.set_ylabel("users", color="grey")
 
-    for group in summary["groups"]:
-        points = [(r["users"], r["p99_ms"]) for r in summary["by_users"]
-                  if (r["protocol"], r["profile"]) == (group["protocol"], group["profile"])]
-        if points:
-            x, y = zip(*points)
-            by_users.plot(x, y, "o-", label=f"{group['protocol']} {group['profile']}")
-    by_users.set(xlabel="concurrent users", ylabel="P99 latency (ms)", title="P99 against concurrency")
-    if summary["by_users"]:
+    stepped = len({r["users"] for r in summary["by_users"]}) > 1
+    for group in summary["groups"] if stepped else []:
+        rows = [r for r in summary["by_users"] if (r["protocol"], r["profile"]) == (group["protocol"], group["profile"])]
+        if not rows:
+            continue
+        x, y = [r["users"] for r in rows], [r["p99_ms"] for r in rows]
+        line, = by_users.plot(x, y, "-", label=f"{group['protocol']} {profile_label(group['profile'])}")
+        for r in rows:  # every point with its sample count; hollow where too few for a P99
+            few = "p99_ms" in r["few_samples"]
+            by_users.plot([r["users"]], [r["p99_ms"]], "o", color=line.get_color(), mfc="none" if few else None)
+            by_users.annotate(f"n={r['samples']}" + ("*" if few else ""), (r["users"], r["p99_ms"]), fontsize=7,
+                              color=line.get_color(), textcoords="offset points", xytext=(4, 3))
+    by_users.set(xlabel="concurrent users", ylabel="P99 latency (ms); prefill = TTFT",
+                 title=f"P99 against concurrency (n = requests behind each P99; hollow, *: fewer than {needed})")
+    by_users.title.set_fontsize(9)
+    if stepped:
         by_users.set_xscale("log", base=2)
         by_users.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         by_users.legend(fontsize=8)
-    fig.suptitle(title or summary["folder"], fontsize=9)
+    else:  # one user count: the tail of each group instead (the share of requests slower than x)
+        for group in summary["groups"]:
+            mask = ok & (samples["protocol"] == group["protocol"]) & (samples["profile"] == group["profile"])
+            latency = np.sort(samples["latency_ms"][mask])
+            if not len(latency):
+                continue
+            slower = 1.0 - np.arange(len(latency)) / len(latency)
+            line, = by_users.step(latency, slower, where="post",
+                                  label=f"{group['protocol']} {profile_label(group['profile'])}, n={len(latency)}")
+            few = "p99_ms" in group["few_samples"]
+            by_users.plot([group["p99_ms"]], [0.01], "o", color=line.get_color(), mfc="none" if few else None)
+        by_users.axhline(0.01, color="grey", lw=0.5)
+        by_users.set(xscale="log", yscale="log", xlabel="latency (ms)", ylabel="share of requests slower",
+                     title=f"Latency tails (one user count; dots: P99, hollow where n < {needed})")
+        by_users.title.set_fontsize(9)
+        by_users.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        by_users.legend(fontsize=8)
+    fig.suptitle(f"{title or summary['folder']}\n{ttft_line(summary)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def ttft_line(summary: dict) -> str:
+    """The headline: P99 time-to-first-token and the requests behind it."""
+    ttft = summary.get("ttft") or {}
+    if not ttft.get("samples"):
+        return "P99 time-to-first-token: no prefill requests in this run"
+    few = " (fewer than %d: rough)" % MIN_SAMPLES["p99_ms"] if "p99_ms" in ttft["few_samples"] else ""
+    return (f"P99 time-to-first-token (this layer's share; prefill, {'+'.join(ttft['protocols'])}): "
+            f"{ttft['p99_ms']:.2f} ms from {ttft['samples']} requests{few}")
+
+
 def table(summary: dict) -> str:
-    def ms(value):
-        return "-" if value is None else f"{value:9.2f}"
-    lines = [f"{'protocol':8} {'profile':8} {'requests':>8} {'fails':>6} {'P50 ms':>9} {'P95 ms':>9} {'P99 ms':>9} "
-             f"{'req/s':>8} {'tokens/s':>9}"]
+    def ms(row, key):
+        value = row.get(key)
+        if value is None:
+            return f"{'-':>9} "
+        return f"{value:9.2f}" + ("*" if key in row.get("few_samples", ()) else " ")
+
+    def rate(value, width, digits):
+        return f"{'-':>{width}}" if value is None else f"{value:{width}.{digits}f}"
+
+    lines = [f"{'protocol':8} {'profile':14} {'requests':>8} {'fails':>6} {'samples':>7} {'P50 ms':>9}  {'P95 ms':>9}  "
+             f"{'P99 ms':>9}  {'req/s':>8} {'tokens/s':>9}"]
     for g in summary["groups"]:
-        lines.append(f"{g['protocol']:8} {g['profile']:8} {g['requests']:8d} {g['failures']:6d} {ms(g['p50_ms'])} "
-                     f"{ms(g['p95_ms'])} {ms(g['p99_ms'])} {g['throughput_rps']:8.1f} {g['tokens_per_s']:9.0f}")
+        lines.append(f"{g['protocol']:8} {profile_label(g['profile']):14} {g['requests']:8d} {g['failures']:6d} "
+                     f"{g['samples']:7d} {ms(g, 'p50_ms')} {ms(g, 'p95_ms')} {ms(g, 'p99_ms')} "
+                     f"{rate(g['throughput_rps'], 8, 1)} {rate(g['tokens_per_s'], 9, 0)}")
     t = summary["total"]
-    lines.append(f"{'all':8} {'':8} {t['requests']:8d} {t['failures']:6d} {ms(t['p50_ms'])} {ms(t['p95_ms'])} "
-                 f"{ms(t['p99_ms'])} {t['throughput_rps']:8.1f}")
+    lines.append(f"{'all':8} {'':14} {t['requests']:8d} {t['failures']:6d} {t['samples']:7d} {ms(t, 'p50_ms')} "
+                 f"{ms(t, 'p95_ms')} {ms(t, 'p99_ms')} {rate(t['throughput_rps'], 8, 1)}")
+    lines.append(ttft_line(summary))
+    rows = summary["groups"] + [t] + summary["by_users"] + [summary.get("ttft") or {}]
+    if any(r.get("few_samples") and r.get("samples") for r in rows):
+        lines.append("* from fewer requests than that percentile needs ("
+                     + ", ".join(f"P{k[1:-3]} {n}" for k, n in MIN_SAMPLES.items()) + "): read it as rough")
     if len({r["users"] for r in summary["by_users"]}) > 1:
         lines.append("P99 ms by concurrent users:")
         for r in summary["by_users"]:
-            lines.append(f"  users {r['users']:4d} {r['protocol']:5} {r['profile']:8} P99 {ms(r['p99_ms'])} "
-                         f"({r['requests']} requests)")
+            lines.append(f"  users {r['users']:4d} {r['protocol']:7} {profile_label(r['profile']):14} "
+                         f"P99 {ms(r, 'p99_ms')} ({r['samples']} requests)")
     return "\n".join(lines)
 
 

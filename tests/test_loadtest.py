@@ -1,23 +1,30 @@
 """Smoke test of the Locust load test (loadtest/): a short headless run through loadtest/run.py (what
 `make loadtest` runs) against the session's real tritonserver, both protocols, both profiles, and a
-stepped user ramp, then its files: Locust's CSVs, summary.json and latency.png."""
+stepped user ramp, then its files: Locust's CSVs, summary.json and latency.png. Also the summary's
+sample counts and few-samples flags on made-up samples, BF16 through tritonclient's public API, and
+what the CUDA shared-memory users say on a host without a GPU."""
 import csv
 import json
 import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from triton_server import REPO_ROOT, import_compare, missing_reason
 
-pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
+needs_server = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
 RUN = REPO_ROOT / "loadtest" / "run.py"
+sys.path.insert(0, str(REPO_ROOT / "loadtest"))
+import run as load_run  # noqa: E402  (not locustfile: importing Locust patches the standard library)
+import summary as load_summary  # noqa: E402
 STEPS = (2, 6)  # users; the first step holds one user of each protocol
 STEP_SECONDS = 6
 
 
+@needs_server
 def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
     out = tmp_path / "loadtest"
     result = subprocess.run(
@@ -26,9 +33,13 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
          "--step-time", str(STEP_SECONDS), "--out", str(out)],
         capture_output=True, text=True, timeout=55)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    # The table comes last: its header, 4 groups, the total, then P99 by users (2 steps x 4 groups).
-    tail = result.stdout.splitlines()[-15:]
-    assert tail[0].startswith("protocol profile") and tail[-1].startswith("  users"), result.stdout[-2000:]
+    # The table comes last: its header, 4 groups, the total, the TTFT line (and the footnote on
+    # percentiles from few requests), then a heading and P99 by users (2 steps x 4 groups).
+    lines = result.stdout.splitlines()
+    header = max(i for i, line in enumerate(lines) if line.startswith("protocol profile"))
+    table = lines[header:]
+    assert table[-1].startswith("  users") and len(table) in (16, 17), result.stdout[-2000:]
+    assert table[6].startswith("P99 time-to-first-token"), table
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["total"]["failures"] == 0
@@ -40,11 +51,30 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
         assert group["locust_requests"] == group["requests"], key
         assert 0 < group["p50_ms"] <= group["p95_ms"] <= group["p99_ms"], key
         assert (group["mean_tokens"] == 1) if key[1] == "decode" else (2 <= group["mean_tokens"] <= 24), key
+        assert group["metric"] == {"prefill": "TTFT", "decode": "TPOT"}[key[1]]
+        assert_counted(group)
+    # P99 time-to-first-token: every successful prefill request, both protocols, named as such
+    prefill = [g for g in summary["groups"] if g["profile"] == "prefill"]
+    assert summary["ttft_samples"] == summary["ttft"]["samples"] == sum(g["samples"] for g in prefill)
+    assert min(g["p99_ms"] for g in prefill) <= summary["ttft_p99_ms"] <= max(g["p99_ms"] for g in prefill)
+    assert summary["ttft"]["protocols"] == ["grpc", "http"]
+    ttft_line = f"{summary['ttft_p99_ms']:.2f} ms from {summary['ttft_samples']} requests"
+    assert ttft_line in table[6], table[6]
     assert summary["total"]["locust_failures"] == 0
+    assert_counted(summary["total"])
+    assert summary["grpc_url"] == colibri_server.grpc_url and summary["host"] == f"http://{colibri_server.http_url}"
     assert sorted({r["users"] for r in summary["by_users"]}) == list(STEPS)
     for level in summary["by_users"]:  # each step's own throughput, over that step's time
         assert 0 < level["seconds"] <= STEP_SECONDS + 1 and level["failures"] == 0, level
         assert level["throughput_rps"] == pytest.approx(level["requests"] / level["seconds"]), level
+        assert_counted(level)
+    # the table marks each P99 resting on fewer than 100 requests, and says what the mark means
+    for row in table[1:5]:
+        group = groups[(row.split()[0], row.split()[1])]
+        assert row.split()[5] == str(group["samples"]), row  # protocol, profile (METRIC), requests, fails, samples
+        assert ("*" in row) == bool(group["few_samples"]), (row, group)
+    if any(g["few_samples"] for g in summary["groups"]):
+        assert any(line.startswith("* from fewer requests") for line in table), table
 
     with open(out / "locust_stats_history.csv", newline="") as f:
         history = list(csv.DictReader(f))
@@ -58,6 +88,13 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
     assert width > 800 and height > 300
 
 
+def assert_counted(row):
+    """Every percentile row carries the count behind it and flags the percentiles it is too small for."""
+    # a group's or the total's requests include its failures; a user level's are its successful ones
+    assert row["samples"] == (row["requests"] if "users" in row else row["requests"] - row["failures"]), row
+    assert row["few_samples"] == [k for k, n in load_summary.MIN_SAMPLES.items() if row["samples"] < n], row
+
+
 def test_no_server_is_a_clear_error(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,6 +106,7 @@ def test_no_server_is_a_clear_error(tmp_path):
     assert not list(tmp_path.iterdir()), "nothing may be written when there is no server"
 
 
+@needs_server
 def test_rate_fixes_the_offered_load(colibri_server, tmp_path):
     """--rate paces each user (Locust's constant_throughput): 2 users at 3 requests/s each offer 6 per
     second, where the same small model answers hundreds per second in a closed loop."""
@@ -119,52 +157,183 @@ def test_sweep_picks_the_highest_throughput_within_the_budget():
     assert "colibri/torch: at least 1.80x" in text and "lower bound" in text, text
 
 
+def test_grpc_address_follows_the_host():
+    """Without --grpc-url, gRPC goes to --host's host on port 8001 (in run.py, which passes it on, and in
+    the locustfile's own rule, for locust run by hand)."""
+    assert load_run.grpc_address("http://10.1.2.3:18000") == "10.1.2.3:8001"
+    assert load_run.grpc_address("gpu-node:8000") == "gpu-node:8001"
+    assert load_run.grpc_address("http://[::1]:8000") == "[::1]:8001"
+    assert load_run.grpc_address("http://10.1.2.3:18000", "10.1.2.3:18001") == "10.1.2.3:18001"
+    check = ("import locustfile as l; assert l.grpc_address('http://10.1.2.3:18000') == '10.1.2.3:8001'; "
+             "assert l.grpc_address('http://h:1', 'g:2') == 'g:2'; print('ok')")
+    result = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT / "loadtest", capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_grpc_not_answering_names_the_setting():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(load_run.NotReady, match="LOADTEST_GRPC_URL") as error:
+        load_run.check_grpc_ready(f"127.0.0.1:{port}", "colibri_moe", given=False)
+    assert "the --host host, port 8001" in str(error.value)
+
+
+def write_samples(folder, rows):
+    with open(folder / "samples-1.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["end_time", "protocol", "profile", "tokens", "latency_ms", "failed"])
+        writer.writerows(rows)
+
+
+def test_summary_counts_and_flags_thin_percentiles(tmp_path):
+    """6 prefill requests (one P99 came from 6 once) are flagged for P50, P95 and P99 alike; 150 decode
+    requests for none; 40 for P99 only. The counts and flags reach the JSON, the table and the plot's
+    windows, and the TTFT figure is the prefill requests' own."""
+    rng = np.random.default_rng(3)
+    rows = [[f"{1000 + i * 0.1:.6f}", "grpc", "decode", 1, f"{rng.uniform(1, 2):.4f}", 0] for i in range(150)]
+    rows += [[f"{1000 + i * 2.5:.6f}", "grpc", "prefill", 512, f"{20 + i:.4f}", 0] for i in range(6)]
+    rows += [[f"{1000 + i * 0.3:.6f}", "http", "decode", 1, f"{rng.uniform(1, 2):.4f}", int(i == 0)] for i in range(41)]
+    write_samples(tmp_path, rows)
+    summary = load_summary.write(tmp_path)
+    groups = {(g["protocol"], g["profile"]): g for g in summary["groups"]}
+    assert groups[("grpc", "prefill")]["samples"] == 6
+    assert groups[("grpc", "prefill")]["few_samples"] == ["p50_ms", "p95_ms", "p99_ms"]
+    assert groups[("grpc", "decode")]["samples"] == 150 and groups[("grpc", "decode")]["few_samples"] == []
+    assert groups[("http", "decode")]["samples"] == 40 and groups[("http", "decode")]["few_samples"] == ["p99_ms"]
+    assert groups[("http", "decode")]["requests"] == 41 and groups[("http", "decode")]["failures"] == 1
+    assert summary["ttft_p99_ms"] == 25.0 and summary["ttft_samples"] == 6  # nearest rank of 20..25
+    assert summary["ttft"]["few_samples"] == ["p50_ms", "p95_ms", "p99_ms"]
+    assert summary["total"]["samples"] == 196
+    assert json.loads((tmp_path / "summary.json").read_text())["ttft_p99_ms"] == 25.0
+    text = load_summary.table(summary)
+    lines = text.splitlines()
+    prefill_row = next(line for line in lines if line.startswith("grpc     prefill (TTFT)"))
+    assert prefill_row.count("*") == 3 and " 6 " in prefill_row, prefill_row
+    decode_row = next(line for line in lines if line.startswith("grpc     decode (TPOT)"))
+    assert "*" not in decode_row, decode_row
+    assert "P99 time-to-first-token" in text and "25.00 ms from 6 requests (fewer than 100: rough)" in text, text
+    assert any(line.startswith("* from fewer requests than that percentile needs") for line in lines), text
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+
+
+def test_plot_windows_hold_enough_requests():
+    """Each window of the latency-over-time plot is at least the minimum length and holds at least the
+    requests a P99 needs; the remainder joins the last window; every sample is in exactly one."""
+    rng = np.random.default_rng(4)
+    seconds = np.sort(rng.uniform(0, 60, 1037))
+    spans = load_summary.windows(seconds, 2.0, 100)
+    assert len(spans) == 10
+    assert all(len(indices) >= 100 and high - low >= 2.0 for low, high, indices in spans)
+    assert sorted(np.concatenate([indices for _, _, indices in spans]).tolist()) == list(range(1037))
+    assert [low for low, _, _ in spans[1:]] == [high for _, high, _ in spans[:-1]]  # consecutive
+    thin = load_summary.windows(seconds[:30], 2.0, 100)  # too few for any P99: one window, all of them
+    assert len(thin) == 1 and len(thin[0][2]) == 30
+    slow = load_summary.windows(np.arange(300) * 0.001, 2.0, 100)  # 300 in 0.3 s: the minimum length rules
+    assert len(slow) == 1
+
+
 BF16_CHECK = r"""
+import struct
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-import tritonclient.utils
-import tritonclient.grpc._infer_input, tritonclient.grpc._infer_result
-import tritonclient.http._infer_input, tritonclient.http._infer_result
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import triton_to_np_dtype
 import locustfile
+from colibri.dtypes import float32_to_bf16
+
+def tritonclient_253_bytes(array):
+    # tritonclient 2.5x's serialize_bf16_tensor, as it was: each float32's upper two bytes, C order,
+    # one element at a time (the loop the load generator could not afford)
+    return b"".join(struct.pack("<H", struct.unpack("<I", struct.pack("<f", v))[0] >> 16)
+                    for v in np.ascontiguousarray(array, np.float32).ravel())
 
 rng = np.random.default_rng(int(__import__("sys").argv[1]))
-special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-40, -1e-40, 3.4e38, 65504.0], np.float32)
+bf16 = triton_to_np_dtype("BF16")
+special = np.array([np.inf, -np.inf, -0.0, 0.0, 1e-40, -1e-40, 3.3e38, 65504.0], np.float32)
 for shape in [(1, 7), (5, 64), (33, 130)]:
     x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-3, 4, shape)).astype(np.float32)
     x.flat[rng.choice(x.size, min(x.size, len(special)), replace=False)] = special[:min(x.size, len(special))]
-    for array in (x, np.asfortranarray(x), x[:, ::-1]):  # any memory order packs as C order
-        expected = tritonclient.utils.serialize_bf16_tensor(array).item()
-        assert locustfile.serialize_bf16_tensor(array).item() == expected, shape
-        sent = grpcclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(array)._get_content()
-        assert sent == expected, shape
-        sent = httpclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(array)._get_binary_data()
-        assert sent == expected, shape
-        decoded = tritonclient.utils.deserialize_bf16_tensor(expected)
-        ours = locustfile.deserialize_bf16_tensor(expected)
-        assert ours.shape == decoded.shape and ours.dtype == decoded.dtype, (ours.shape, decoded.shape)
-        assert ours.tobytes() == decoded.tobytes(), shape  # NaN payloads included
-for module in (tritonclient.grpc._infer_input, tritonclient.http._infer_input):
-    assert module.serialize_bf16_tensor is locustfile.serialize_bf16_tensor, module
-for module in (tritonclient.grpc._infer_result, tritonclient.http._infer_result):
-    assert module.deserialize_bf16_tensor is locustfile.deserialize_bf16_tensor, module
-assert locustfile.serialize_bf16_tensor(np.zeros((0, 4), np.float32)).size == 0
-assert locustfile.deserialize_bf16_tensor(b"").shape == (0, 1)
-try:
-    locustfile.serialize_bf16_tensor(np.zeros((2, 2), np.float64))
-except tritonclient.utils.InferenceServerException:
-    pass
-else:
-    raise AssertionError("a float64 array was packed")
+    exact = (float32_to_bf16(x).astype(np.uint32) << 16).view(np.float32)  # bf16 values, held as float32
+    for array in (exact, np.asfortranarray(exact), exact[:, ::-1]):  # any memory order packs as C order
+        expected = tritonclient_253_bytes(array)
+        sent = locustfile.wire_array(array, "BF16")
+        assert sent.dtype == bf16 and sent.tobytes() == expected, shape
+        # through each protocol's public API: the gRPC input's bytes, the HTTP request body's binary part
+        assert grpcclient.InferInput("h", list(array.shape), "BF16").set_data_from_numpy(sent)._get_content() == expected
+        tensor = httpclient.InferInput("h", list(array.shape), "BF16")
+        tensor.set_data_from_numpy(sent, binary_data=True)
+        body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor])
+        assert body[json_size:] == expected, shape
+        # and back: an answer's bytes read by each protocol's InferResult, as the users read them
+        response = service_pb2.ModelInferResponse(outputs=[service_pb2.ModelInferResponse.InferOutputTensor(
+            name="output", datatype="BF16", shape=list(array.shape))], raw_output_contents=[expected])
+        got = grpcclient.InferResult(response).as_numpy("output")
+        assert got.shape == array.shape and got.astype(np.float32).tobytes() == np.ascontiguousarray(array).tobytes()
+        header = ('{"outputs":[{"name":"output","datatype":"BF16","shape":%s,"parameters":{"binary_data_size":%d}}]}'
+                  % (list(array.shape), len(expected))).encode()
+        got = httpclient.InferResult.from_response_body(header + expected, header_length=len(header)).as_numpy("output")
+        assert got.shape == array.shape and got.astype(np.float32).tobytes() == np.ascontiguousarray(array).tobytes()
+    # values between bf16 neighbours: rounded to nearest even, as the server's colibri.dtypes rounds
+    assert locustfile.wire_array(x, "BF16").view(np.uint16).tobytes() == float32_to_bf16(x).tobytes(), shape
+    assert np.array_equal(locustfile.storage_bits(locustfile.wire_array(x, "BF16")), float32_to_bf16(x))
+assert np.isnan(locustfile.wire_array(np.array([np.nan], np.float32), "BF16").astype(np.float32)).all()
+source = open(locustfile.__file__).read()
+assert "_infer_input" not in source and "_infer_result" not in source and "setattr(" not in source
 print("ok")
 """
 
 
-def test_bf16_inputs_are_packed_as_tritonclient_packs_them(rng):
-    """The load generator packs BF16 inputs and unpacks BF16 answers with its own vectorised functions
-    (tritonclient's loop over the elements in Python and saturated it): the same bytes and values as
-    tritonclient's, through both protocols' InferInput, for any memory order, NaN, Inf, signed zeros
-    and subnormals included. In a subprocess: importing Locust patches the standard library for gevent."""
+def test_bf16_goes_through_tritonclients_public_api(rng):
+    """The load generator sends BF16 as tritonclient's own BF16 dtype (ml_dtypes.bfloat16), which
+    InferInput packs with one tobytes() and InferResult reads with one frombuffer: the bytes equal those
+    of tritonclient 2.5x's element-by-element serializer for every bf16 value (any memory order, Inf,
+    signed zeros, subnormals), through both protocols' public InferInput and InferResult, and values
+    between bf16 neighbours round as the server's own converter does. No tritonclient module is rebound.
+    In a subprocess: importing Locust patches the standard library for gevent."""
     result = subprocess.run([sys.executable, "-c", BF16_CHECK, str(int(rng.integers(2**31)))],
                             cwd=REPO_ROOT / "loadtest", capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def gpu_usable():
+    sys.path.insert(0, str(REPO_ROOT / "client"))
+    try:
+        import cuda_shm_client
+    finally:
+        sys.path.pop(0)
+    return cuda_shm_client.gpu_problem(0) is None
+
+
+@pytest.mark.skipif("gpu_usable()", reason="a GPU, cupy and cuda-python are here: the clients run for real")
+def test_cuda_shm_client_without_gpu_says_so_in_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "client" / "cuda_shm_client.py"), "--weights",
+                             str(tmp_path / "absent.colibri.safetensors")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cuda_shm_client: needs ") and "Traceback" not in result.stderr, \
+        result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.skipif("gpu_usable()", reason="a GPU, cupy and cuda-python are here: CudaShmUser runs for real")
+def test_cudashm_user_without_gpu_stops_the_run_in_one_line(tmp_path):
+    """The locustfile imports without cupy (GrpcUser and HttpUser run in the compose image, which has no
+    GPU); asking for CudaShmUser there stops the run at once with one line and status 2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "locust", "-f", "locustfile.py", "CudaShmUser", "--headless",
+                             "-u", "1", "-t", "5s", "--host", f"http://127.0.0.1:{port}"],
+                            cwd=REPO_ROOT / "loadtest", capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("loadtest:")]
+    assert len(ours) == 1 and "CudaShmUser needs" in ours[0] and "Traceback" not in result.stderr, result.stderr
+
+
+def test_clients_import_no_torch():
+    """The clients' and the locustfile's GPU paths are cupy's: torch appears in none of them."""
+    for path in [*sorted((REPO_ROOT / "client").glob("*.py")), REPO_ROOT / "loadtest" / "locustfile.py"]:
+        assert "import torch" not in path.read_text(), path
