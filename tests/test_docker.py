@@ -1,10 +1,11 @@
-"""Checks of docker/ that need no Docker engine (CI has the docker client at most).
+"""Checks of docker/ that need no Docker engine (CI builds and starts the CPU-only image for real:
+docker/ci/smoke.sh).
 
-The image itself is built and run only on a machine with an engine and a GPU; what can go wrong
-before that is checked here: the Dockerfile copies files that exist, runs the make targets and
-variables that `make test` exercises (with a portable -march), installs only pinned packages, keeps
-compilers out of the runtime image and does not run as root; compose accepts the file with every
-profile, and what it resolves matches the image (ports, model repository, weights, GPU).
+What can go wrong before a build is checked here, for each image the Dockerfile makes (the default
+Debian one with and without CUDA, the NGC ones): the Dockerfile copies files that exist, runs the
+make targets that `make test` exercises (portable -march, CUDA when asked), installs only pinned
+packages and no torch, keeps compilers out of the runtime and does not run as root; compose accepts
+the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU.
 """
 import ast
 import json
@@ -31,13 +32,24 @@ COMPOSE_FILE = REPO / "docker" / "docker-compose.yml"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
 
-# The Python of each CUDA_STACK's tritonserver image (NGC release notes: 25.07 is Ubuntu 24.04 with
-# Python 3.12, 22.12 Ubuntu 20.04 with Python 3.8); the pins must resolve for it.
-STACK_PYTHON = {"12": "3.12", "11": "3.8"}
+# The images the Dockerfile makes: (target, build arguments, the runtime's Python). NGC: tritonserver
+# 25.07 is Ubuntu 24.04 with Python 3.12, 22.12 Ubuntu 20.04 with Python 3.8 (release notes).
+VARIANTS = {
+    "debian-cuda": ("runtime-debian", {"CUDA": "1"}, "3.11"),
+    "debian-cpu": ("runtime-debian", {"CUDA": "0"}, "3.11"),
+    "ngc12": ("runtime-ngc", {"CUDA_STACK": "12"}, "3.12"),
+    "ngc11": ("runtime-ngc", {"CUDA_STACK": "11"}, "3.8"),
+}
+DEBIAN_PYTHON = {"bookworm": "3.11"}
 # The python3 of each build image's Ubuntu release: the cffi extension is built for that CPython ABI,
 # so it must be the runtime's Python.
 UBUNTU_PYTHON = {"ubuntu20.04": "3.8", "ubuntu22.04": "3.10", "ubuntu24.04": "3.12"}
 TRITON_TAGS = {"12": "25.07", "11": "22.12"}
+# Where the runtime's packages come from in the Debian image: folders built in the build stage.
+RUNTIME_FOLDERS = ("/opt/colibri", "/opt/pytriton")
+
+# What a base image's PATH is taken to be (Debian's and Docker Hub's default).
+BASE_IMAGE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 COMPILER_PACKAGES = re.compile(
     r"^(gcc|g\+\+|cpp|clang|build-essential|make|cmake|ninja(-build)?|nvcc|cuda-nvcc.*|cuda-toolkit.*"
@@ -155,7 +167,7 @@ class Dockerfile:
     def environment(self, stage, args):
         """ENV values a stage inherits and sets, with its ARGs expanded (as `docker build` would)."""
         chain, _ = self.chain(stage, args)
-        env = {}
+        env = {"PATH": BASE_IMAGE_PATH}
         for link in reversed(chain):
             scope = dict(env)
             for inst in link.instructions:
@@ -193,18 +205,68 @@ def shell_commands(run_args):
     return commands
 
 
-def make_invocations(dockerfile, stage):
-    return [c for run in stage.of("RUN") for c in shell_commands(run.args) if c[0] == "make"]
+def executed_commands(run_args, scope):
+    """The simple commands a RUN line executes under these variables: `if [ A = B ]; then ...; fi`
+    (= or !=) is evaluated, `exit` ends the line, `name=value` sets a shell variable. The Dockerfile's
+    conditionals are of this form only."""
+    conditions, executed, scope = [], [], dict(scope)
+    for command in shell_commands(run_args):
+        if all(re.match(r"^\w+=", word) for word in command):
+            if all(conditions):
+                for word in command:
+                    name, value = word.split("=", 1)
+                    scope[name] = expand(value, scope)
+            continue
+        if command[0] == "if":
+            assert command[1] == "[" and command[-1] == "]" and command[3] in ("=", "!="), \
+                f"unsupported condition {command}"
+            left, right = expand(command[2], scope), expand(command[4], scope)
+            conditions.append((left == right) == (command[3] == "="))
+            continue
+        if command[0] == "fi":
+            conditions.pop()
+            continue
+        if command[0] == "then":
+            command = command[1:]
+        if all(conditions):
+            if command[0] == "exit":
+                break
+            executed.append([expand(w, scope) for w in command])
+    return executed
 
 
-def pip_installs(stage):
-    """(words after `install`) of each `pip install` in the stage's RUN lines."""
+def make_invocations(dockerfile, stage, args):
+    scope = dockerfile.run_scope(stage, args)
+    return [c for run in stage.of("RUN") for c in executed_commands(run.args, scope) if c[0] == "make"]
+
+
+def pip_installs(dockerfile, stage, args):
+    """Each executed `pip install` of the stage as (command, where): where is the --target folder, the
+    --python interpreter's folder, or "system"."""
+    scope = dockerfile.run_scope(stage, args)
     found = []
     for run in stage.of("RUN"):
-        for command in shell_commands(run.args):
+        for command in executed_commands(run.args, scope):
             if "pip" in " ".join(command[:4]) and "install" in command:
-                found.append(command[command.index("install") + 1:])
+                where = "system"
+                for flag in ("--target", "--python"):
+                    if flag in command:
+                        where = command[command.index(flag) + 1]
+                found.append((command, where))
     return found
+
+
+def package_names(command):
+    words = command[command.index("install") + 1:]
+    names, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in ("-c", "--target", "--python", "--constraint"):
+            skip = True
+        elif not word.startswith("-") and not word.endswith(".whl"):
+            names.append(Requirement(word).name.lower())
+    return names
 
 
 @pytest.fixture(scope="module")
@@ -212,9 +274,35 @@ def dockerfile():
     return Dockerfile(DOCKERFILE)
 
 
-def runtime_stage(dockerfile):
-    """The image `docker build` produces without --target, which compose also asks for."""
-    return dockerfile.stages[-1]
+def variant_stage(dockerfile, variant):
+    target, overrides, python = VARIANTS[variant]
+    return dockerfile.stage(target), dockerfile.build_args(**overrides), python
+
+
+def copies_from_build(stage):
+    """(build stage name, source folder) of each COPY --from in the stage."""
+    pairs = []
+    for copy in stage.of("COPY"):
+        flags, words = flags_and_words(copy.args)
+        if flags.get("from"):
+            pairs += [(flags["from"], source.rstrip("/")) for source in words[:-1]]
+    return pairs
+
+
+def runtime_packages(dockerfile, variant):
+    """Distributions the runtime image holds: installed in its own stages, or in a build stage into a
+    folder that the runtime copies."""
+    stage, args, _ = variant_stage(dockerfile, variant)
+    chain, _ = dockerfile.chain(stage, args)
+    installed = set()
+    for link in chain:
+        for command, _ in pip_installs(dockerfile, link, args):
+            installed.update(package_names(command))
+        for source_stage, folder in copies_from_build(link):
+            for command, where in pip_installs(dockerfile, dockerfile.stage(source_stage), args):
+                if where == folder or where.startswith(folder + "/"):
+                    installed.update(package_names(command))
+    return installed
 
 
 def test_dockerfile_parser_joins_continuations_and_drops_comments():
@@ -223,22 +311,30 @@ def test_dockerfile_parser_joins_continuations_and_drops_comments():
     assert [(i.keyword, i.args) for i in parsed] == [
         ("FROM", "a AS b"), ("RUN", "one && two"), ("COPY", '["x y", "/z"]')]
     assert shell_commands("a b && c 'd && e' ; f | g") == [["a", "b"], ["c", "d && e"], ["f"], ["g"]]
+    line = 'a && if [ "$X" = 1 ]; then b; fi && if [ "$X" != 1 ]; then exit 0; fi && c $X'
+    assert executed_commands(line, {"X": "1"}) == [["a"], ["b"], ["c", "1"]]
+    assert executed_commands(line, {"X": "0"}) == [["a"]]
 
 
-def test_stages_and_cuda_stacks(dockerfile):
-    names = [s.name for s in dockerfile.stages]
-    assert {"build", "loadtest", "runtime"} <= set(names), names
-    assert runtime_stage(dockerfile).name == "runtime", "runtime must be the last (default) stage"
-    for stack, tag in TRITON_TAGS.items():
-        args = dockerfile.build_args(CUDA_STACK=stack)
-        _, runtime_image = dockerfile.chain(runtime_stage(dockerfile), args)
-        _, build_image = dockerfile.chain(dockerfile.stage("build"), args)
-        assert runtime_image == f"nvcr.io/nvidia/tritonserver:{tag}-py3", runtime_image
+def test_stages_and_base_images(dockerfile):
+    assert dockerfile.stages[-1].name == "runtime-debian", "the Debian runtime must be the default (last) stage"
+    for variant, (target, overrides, python) in VARIANTS.items():
+        stage, args, _ = variant_stage(dockerfile, variant)
+        _, runtime_image = dockerfile.chain(stage, args)
+        builds = {name for name, _ in copies_from_build(stage)}
+        assert len(builds) == 1, f"{variant}: copies from {builds}"
+        _, build_image = dockerfile.chain(dockerfile.stage(builds.pop()), args)
+        if target == "runtime-debian":
+            # Same image: the build's glibc and Python (the extension's ABI) are the runtime's.
+            assert runtime_image == build_image == "debian:bookworm-slim", (runtime_image, build_image)
+            assert args["DEBIAN_PYTHON"] == DEBIAN_PYTHON["bookworm"] == python
+            continue
+        stack = args["CUDA_STACK"]
+        assert runtime_image == f"nvcr.io/nvidia/tritonserver:{TRITON_TAGS[stack]}-py3", runtime_image
         cuda = {"12": "12.9", "11": "11.8"}[stack]
         ubuntu = {"12": "ubuntu24.04", "11": "ubuntu20.04"}[stack]
         assert re.fullmatch(rf"nvidia/cuda:{re.escape(cuda)}\.\d+-devel-{ubuntu}", build_image), build_image
-        assert UBUNTU_PYTHON[ubuntu] == STACK_PYTHON[stack], \
-            f"CUDA_STACK={stack}: the build stage's Python differs from tritonserver {tag}'s"
+        assert UBUNTU_PYTHON[ubuntu] == python, f"{variant}: the build stage's Python differs from the runtime's"
 
 
 def dockerignore_patterns():
@@ -280,12 +376,11 @@ def test_every_copied_path_exists_and_reaches_the_context(dockerfile):
             flags, words = flags_and_words(inst.args)
             sources = words[:-1]
             assert sources, f"{inst}: nothing to copy"
+            assert "chmod" not in flags, f"{inst}: Docker's classic builder refuses COPY --chmod"
             if "from" in flags:
                 assert flags["from"] in stage_names, f"{inst}: no stage {flags['from']!r}"
                 assert dockerfile.stage(flags["from"]).index < stage.index, f"{inst}: later stage"
                 continue
-            if stage.name == "loadtest" and not LOCUSTFILE.exists():
-                continue  # checked by test_compose_loadtest_profile_targets_triton once it lands
             for source in sources:
                 path = REPO / source
                 assert path.exists(), f"{inst}: {source} is not in the repository"
@@ -330,11 +425,14 @@ def reachable(rules, start):
     return seen
 
 
-def test_make_commands_are_the_targets_make_test_builds(dockerfile):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_make_commands_are_the_targets_make_test_builds(dockerfile, variant):
     rules, variables = makefile_rules()
     exercised = reachable(rules, "test")
     assert {"lib", "python"} <= exercised, "the Makefile parser lost track of `make test`"
-    invocations = make_invocations(dockerfile, dockerfile.stage("build"))
+    stage, args, _ = variant_stage(dockerfile, variant)
+    build = dockerfile.stage(copies_from_build(stage)[0][0])
+    invocations = make_invocations(dockerfile, build, args)
     assert invocations, "the build stage runs no make"
     for command in invocations:
         targets = [w for w in command[1:] if not w.startswith("-") and "=" not in w]
@@ -347,20 +445,23 @@ def test_make_commands_are_the_targets_make_test_builds(dockerfile):
             assert name in variables, f"{command}: the Makefile has no variable {name}, it would be ignored"
 
 
-@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
-def test_build_is_portable_and_builds_cuda(dockerfile, stack, tmp_path):
-    """The make variables as the build stage resolves them, fed to `make -n`: the compile lines
-    must carry the portable -march (never -march=native) and the CUDA architectures."""
-    build = dockerfile.stage("build")
-    scope = dockerfile.run_scope(build, dockerfile.build_args(CUDA_STACK=stack))
-    for command in make_invocations(dockerfile, build):
-        words = [expand(w, scope) for w in command[1:]]
-        settings = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
-        assert settings.get("CUDA") == "1", "the image must build the CUDA backend"
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_build_is_portable_and_builds_cuda_when_asked(dockerfile, variant, tmp_path):
+    """The make variables as the build stage resolves them, fed to `make -n`: the compile lines carry
+    the portable -march (never -march=native), and the CUDA architectures exactly when CUDA=1."""
+    stage, args, _ = variant_stage(dockerfile, variant)
+    build = dockerfile.stage(copies_from_build(stage)[0][0])
+    cuda = args["CUDA"] == "1"
+    for command in make_invocations(dockerfile, build, args):
+        settings = dict(w.split("=", 1) for w in command[1:] if "=" in w and not w.startswith("-"))
+        assert settings.get("CUDA") == args["CUDA"], "CUDA=1 must fail rather than fall back to the CPU"
         assert settings.get("CFLAGS_ARCH", "").startswith("-march="), settings
         assert "native" not in settings["CFLAGS_ARCH"], "-march=native ties the image to the build host"
-        assert settings.get("CUDA_ARCH", "").split(), settings
-        dry_run = subprocess.run(["make", "-n", "-B", f"BUILD={tmp_path / 'build'}", "NVCC=nvcc", *words],
+        assert settings.get("CUDA_ARCH", "").split() == ["80", "90"], settings
+        # The compiler the image names may not exist here: `make -n` only needs the command line.
+        words = [w for w in command[1:] if not w.startswith(("-j", "NVCC=", "CUDA_LIBDIR="))]
+        dry_run = subprocess.run(["make", "-n", "-B", f"BUILD={tmp_path / 'build'}", "NVCC=nvcc",
+                                  "CUDA_LIBDIR=/nonexistent", *words],
                                  cwd=REPO, capture_output=True, text=True, timeout=60)
         assert dry_run.returncode == 0, dry_run.stderr
         compiles = [line for line in dry_run.stdout.splitlines() if " -c csrc/" in line]
@@ -369,13 +470,39 @@ def test_build_is_portable_and_builds_cuda(dockerfile, stack, tmp_path):
         for line in c_compiles:
             assert settings["CFLAGS_ARCH"] in line and "-march=native" not in line, line
         cuda_compiles = [line for line in compiles if re.search(r" -c csrc/\S+\.cu\b", line)]
-        assert cuda_compiles or not list((REPO / "csrc" / "src" / "cuda").glob("*.cu")), dry_run.stdout
+        assert bool(cuda_compiles) == cuda, f"CUDA={args['CUDA']} but {len(cuda_compiles)} .cu compiles"
         for line in cuda_compiles:
             gencodes = re.findall(r"-gencode=(\S+)", line)
-            for gencode in gencodes:
-                assert re.fullmatch(r"arch=compute_\w+,code=sm_\w+", gencode), f"malformed -gencode={gencode}"
             for arch in settings["CUDA_ARCH"].split():
                 assert f"arch=compute_{arch},code=sm_{arch}" in gencodes, line
+
+
+def test_debian_cuda_toolchain_is_the_pinned_one(dockerfile):
+    """BASE=debian's nvcc is Debian's 12.4 .deb with the 12.4 wheels' headers and static cudart, all
+    pinned; make gets that nvcc and CUDA_LIBDIR, and none of it runs for CUDA=0."""
+    build = dockerfile.stage("build-debian")
+    pins = pins_for("3.11")
+    for cuda in ("1", "0"):
+        args = dockerfile.build_args(CUDA=cuda)
+        scope = dockerfile.run_scope(build, args)
+        commands = [c for run in build.of("RUN") for c in executed_commands(run.args, scope)]
+        downloads = [c for c in commands if c[:2] == ["apt-get", "download"]]
+        wheels = [name for c, where in pip_installs(dockerfile, build, args) if where == "/opt/cuda/wheels"
+                  for name in package_names(c)]
+        if cuda == "0":
+            assert not downloads and not wheels, "a CPU-only image fetches no CUDA toolchain"
+            continue
+        assert downloads == [["apt-get", "download", f"nvidia-cuda-toolkit={args['CUDA_DEB_VERSION']}"]]
+        deb_version = args["CUDA_DEB_VERSION"].split("~")[0]
+        assert sorted(wheels) == ["nvidia-cuda-cccl-cu12", "nvidia-cuda-nvcc-cu12", "nvidia-cuda-runtime-cu12"]
+        assert Version(pins["nvidia-cuda-nvcc-cu12"].specifier.__iter__().__next__().version) == Version(deb_version)
+        for name in wheels:
+            pinned = Version(next(iter(pins[name].specifier)).version)
+            assert pinned.release[:2] == Version(deb_version).release[:2], f"{name}=={pinned} is not CUDA {deb_version}"
+        make = make_invocations(dockerfile, build, args)[0]
+        settings = dict(w.split("=", 1) for w in make[1:] if "=" in w)
+        assert settings["NVCC"].startswith("/opt/cuda/") and settings["CUDA_LIBDIR"].startswith("/opt/cuda/wheels/")
+        assert not any(source.startswith("/opt/cuda") for _, source in copies_from_build(dockerfile.stage("runtime-debian")))
 
 
 def constraint_pins():
@@ -399,42 +526,33 @@ def pins_for(python):
     return pinned
 
 
-def package_names(words):
-    return [w for w in words if not w.startswith("-") and "constraints.txt" not in w and not w.endswith(".whl")]
-
-
-@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
-def test_pip_installs_only_pinned_packages(dockerfile, stack):
-    args = dockerfile.build_args(CUDA_STACK=stack)
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_pip_installs_only_pinned_packages(dockerfile, variant):
+    stage, args, python = variant_stage(dockerfile, variant)
+    chain, _ = dockerfile.chain(stage, args)
+    stages = chain + [dockerfile.stage(name) for name, _ in copies_from_build(stage)] + [dockerfile.stage("loadtest")]
+    pinned = pins_for(python)
     installs = 0
-    for stage in dockerfile.stages:
-        _, image = dockerfile.chain(stage, args)
-        # A python:X.Y image brings its own Python, whatever the CUDA stack.
-        own_python = re.match(r"python:(\d+\.\d+)", image)
-        python = own_python.group(1) if own_python else STACK_PYTHON[stack]
-        pinned = pins_for(python)
-        scope = dockerfile.run_scope(stage, args)
-        for words in pip_installs(stage):
-            words = [expand(w, scope) for w in words]
-            assert "-c" in words or any(w.startswith("--constraint") for w in words), \
-                f"stage {stage.name}: pip install without -c constraints.txt: {words}"
-            for name in package_names(words):
-                requirement = Requirement(name)
-                assert requirement.name.lower() in pinned, \
-                    f"stage {stage.name}: {requirement.name} has no pin in constraints.txt for Python {python}"
+    for link in stages:
+        for command, _ in pip_installs(dockerfile, link, args):
+            assert "-c" in command or any(w.startswith("--constraint") for w in command), \
+                f"stage {link.name}: pip install without -c constraints.txt: {command}"
+            for name in package_names(command):
+                assert name in pinned, f"stage {link.name}: {name} has no pin in constraints.txt for Python {python}"
                 installs += 1
     assert installs >= 5
-    runtime = runtime_packages(dockerfile, stack)
-    assert {"numpy", "cffi", f"cupy-cuda{stack}x"} <= runtime, runtime
-    numpy_pin = next(iter(pins_for(STACK_PYTHON[stack])["numpy"].specifier))
+    runtime = runtime_packages(dockerfile, variant)
+    cupy = "cupy-cuda12x" if args["CUDA_STACK"] == "12" or "ngc" not in variant else "cupy-cuda11x"
+    if args["CUDA"] == "1":
+        assert {"numpy", "cffi", cupy} <= runtime, runtime
+    else:
+        assert {"numpy", "cffi"} <= runtime and not any(n.startswith(("cupy", "nvidia-cuda")) for n in runtime), runtime
+    if variant == "debian-cuda":
+        assert "nvidia-cuda-nvrtc-cu12" in runtime, "cupy-cuda12x finds no NVRTC on a host with only the driver"
+    assert ("nvidia-pytriton" in runtime) == variant.startswith("debian"), "the NGC images have their own tritonserver"
+    assert not {"torch", "pytorch"} & runtime, f"{variant}: torch in the runtime image"
+    numpy_pin = next(iter(pinned["numpy"].specifier))
     assert Version(numpy_pin.version) < Version("2"), "the backend stub reads numpy 1.x buffers"
-    assert "nvidia-pytriton" not in runtime, "the image already has tritonserver"
-
-
-def runtime_packages(dockerfile, stack):
-    scope = dockerfile.run_scope(runtime_stage(dockerfile), dockerfile.build_args(CUDA_STACK=stack))
-    return {Requirement(expand(w, scope)).name.lower()
-            for words in pip_installs(runtime_stage(dockerfile)) for w in package_names(words)}
 
 
 def third_party_imports(path):
@@ -450,52 +568,58 @@ def third_party_imports(path):
     return modules - set(sys.stdlib_module_names) - {"triton_python_backend_utils", "colibri"}
 
 
-@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
-def test_runtime_installs_what_model_py_imports(dockerfile, stack):
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_runtime_installs_what_model_py_imports(dockerfile, variant):
     model_py = REPO / "model_repository" / "colibri_moe" / "1" / "model.py"
-    distribution = {"cupy": f"cupy-cuda{stack}x"}
-    installed = runtime_packages(dockerfile, stack)
+    _, args, _ = variant_stage(dockerfile, variant)
+    distribution = {"cupy": f"cupy-cuda{args['CUDA_STACK']}x"}
+    installed = runtime_packages(dockerfile, variant)
     missing = {m for m in third_party_imports(model_py) if distribution.get(m, m) not in installed}
-    assert not missing, f"model.py imports {missing}, which the runtime image does not install"
+    if args["CUDA"] == "0":
+        missing.discard("cupy")  # only GPU instances import it, and a CPU-only image makes none
+    assert not missing, f"model.py imports {missing}, which the {variant} image does not install"
 
 
-@pytest.mark.parametrize("stack", sorted(STACK_PYTHON))
-def test_colibri_supports_the_python_of_each_stack(stack):
+@pytest.mark.parametrize("python", sorted({v[2] for v in VARIANTS.values()}))
+def test_colibri_supports_the_python_of_each_image(python):
     """pip refuses the wheel on a Python outside requires-python, and every pin the image installs
     must name a release for that Python (a marker pin for 3.8; that those releases have 3.8 wheels
     was checked with `pip download --python-version 3.8` when they were chosen). That the code itself
     runs on 3.8 is tests/test_py38.py's check."""
-    python = STACK_PYTHON[stack]
     pyproject = tomllib.loads((REPO / "backend_src" / "pyproject.toml").read_text())
     requires = SpecifierSet(pyproject["project"].get("requires-python", ""))
-    assert requires.contains(python + ".0"), \
-        f"colibri requires Python {requires}; CUDA_STACK={stack}'s tritonserver has {python}"
+    assert requires.contains(python + ".0"), f"colibri requires Python {requires}; an image has {python}"
     pins = pins_for(python)
-    # The releases that dropped Python 3.8 (numpy 1.25, cffi 2.0, cupy 13, torch 2.5, setuptools 75.4).
-    dropped_38 = {"numpy": "1.25", "cffi": "2.0", f"cupy-cuda{stack}x": "13", "torch": "2.5", "setuptools": "75.4"}
+    # The releases that dropped Python 3.8 (numpy 1.25, cffi 2.0, cupy 13, setuptools 75.4).
+    dropped_38 = {"numpy": "1.25", "cffi": "2.0", "cupy-cuda11x": "13", "setuptools": "75.4"}
     if python == "3.8":
         for name, first_without in dropped_38.items():
             pinned = Version(next(iter(pins[name].specifier)).version)
             assert pinned < Version(first_without), f"{name}=={pinned} has no Python 3.8 release"
 
 
-def test_runtime_stage_has_no_compilers_and_is_not_root(dockerfile):
-    runtime = runtime_stage(dockerfile)
-    for stack in STACK_PYTHON:
-        chain, image = dockerfile.chain(runtime, dockerfile.build_args(CUDA_STACK=stack))
+@pytest.mark.parametrize("target", ["runtime-debian", "runtime-ngc"])
+def test_runtime_stage_has_no_compilers_and_is_not_root(dockerfile, target):
+    runtime = dockerfile.stage(target)
+    for variant, (variant_target, overrides, _) in VARIANTS.items():
+        if variant_target != target:
+            continue
+        args = dockerfile.build_args(**overrides)
+        chain, image = dockerfile.chain(runtime, args)
         assert "devel" not in image and "sdk" not in image, f"runtime base {image} carries compilers"
         for stage in chain:
+            scope = dockerfile.run_scope(stage, args)
             for run in stage.of("RUN"):
-                for command in shell_commands(run.args):
+                for command in executed_commands(run.args, scope):
                     if command[:1] in (["apt-get"], ["apt"], ["yum"], ["dnf"], ["apk"]) and (
                             "install" in command or "add" in command):
                         packages = [w for w in command if not w.startswith("-")][2:]
                         compilers = [p for p in packages if COMPILER_PACKAGES.match(p.split("=")[0])]
                         assert not compilers, f"{run}: installs {compilers} into the runtime image"
-        for copy in runtime.of("COPY"):
-            flags, words = flags_and_words(copy.args)
-            if flags.get("from"):
-                assert words[:-1] == ["/dist/"], f"{copy}: only the wheel comes from the build stage"
+    # From the build stage only what was built for the runtime: the wheel, or the Debian image's venv
+    # and tritonserver (never the toolchain in /opt/cuda, /usr or /opt/build-venv).
+    for _, source in copies_from_build(runtime):
+        assert source == "/dist" or source in RUNTIME_FOLDERS, f"{target} copies {source} from the build"
     users = runtime.of("USER")
     assert users, "the runtime image would run as root"
     user = users[-1].args.split(":")[0]
@@ -503,6 +627,36 @@ def test_runtime_stage_has_no_compilers_and_is_not_root(dockerfile):
     created = " ".join(r.args for r in runtime.of("RUN"))
     assert re.search(rf"useradd\b[^&;]*(--uid {user}\b|\b{user}\s*$|\b{user}\b)", created), \
         f"USER {user} is not created in the runtime stage"
+
+
+def test_runtime_stages_start_the_same_way(dockerfile):
+    """Both images: the entrypoint, the same command, ports, user and weights path."""
+    def last(stage, keyword):
+        found = stage.of(keyword)
+        return found[-1].args if found else None
+    debian, ngc = dockerfile.stage("runtime-debian"), dockerfile.stage("runtime-ngc")
+    for keyword in ("ENTRYPOINT", "CMD", "USER", "EXPOSE"):
+        assert last(debian, keyword) == last(ngc, keyword), keyword
+    assert json.loads(last(debian, "CMD"))[0] == "tritonserver"
+    assert not any("cuda-memory-pool" in w for w in json.loads(last(debian, "CMD"))), "the entrypoint sets the pool"
+
+
+def test_debian_image_paths_match_the_pytriton_wheel(dockerfile):
+    """The runtime's PATH, LD_LIBRARY_PATH and backend folder name places inside the nvidia-pytriton
+    wheel as `pip install --target /opt/pytriton` lays it out (checked against the installed wheel)."""
+    try:
+        import pytriton
+    except ImportError:
+        pytest.skip("nvidia-pytriton is not installed here (make venv installs it)")
+    site = Path(next(iter(pytriton.__path__))).resolve().parent
+    env = dockerfile.environment(dockerfile.stage("runtime-debian"), dockerfile.build_args())
+    wheel_paths = [p for p in env["PATH"].split(":") + env["LD_LIBRARY_PATH"].split(":")
+                   + [env["COLIBRI_TRITON_BACKENDS"]] if p.startswith("/opt/pytriton/")]
+    assert len(wheel_paths) == 3, wheel_paths
+    for path in wheel_paths:
+        assert (site / path[len("/opt/pytriton/"):]).is_dir(), f"{path} is not in the wheel"
+    assert (site / "pytriton/tritonserver/bin/tritonserver").is_file()
+    assert env["PATH"].split(":")[0] == "/opt/colibri/bin", "the stub takes its Python from the first python3"
 
 
 def hadolint():
@@ -548,8 +702,8 @@ def compose_config(*profiles, env=None):
     return json.loads(result.stdout)
 
 
-def container_path_of(dockerfile, source):
-    for copy in runtime_stage(dockerfile).of("COPY"):
+def container_path_of(stage, source):
+    for copy in stage.of("COPY"):
         flags, words = flags_and_words(copy.args)
         if not flags.get("from") and source in [w.rstrip("/") for w in words[:-1]]:
             return words[-1].rstrip("/")
@@ -560,11 +714,15 @@ def check_server(service, dockerfile):
     build = service["build"]
     assert Path(build["context"]).resolve() == REPO
     assert (Path(build["context"]) / build["dockerfile"]).resolve() == DOCKERFILE
-    assert build.get("target") == runtime_stage(dockerfile).name
+    stage = dockerfile.stage(build["target"])
+    assert stage.name.startswith("runtime-"), build["target"]
+    assert set(build["args"]) <= set(dockerfile.global_args), f"unknown build arguments {build['args']}"
     command = service["command"]
-    models = container_path_of(dockerfile, "model_repository")
-    assert f"--model-repository={models}" in command, command
+    models = container_path_of(stage, "model_repository")
+    assert command[0] == "tritonserver" and f"--model-repository={models}" in command, command
     assert "--model-control-mode=none" in command, command
+    assert not any(w.startswith("--cuda-memory-pool-byte-size") for w in command), \
+        "the entrypoint sets the pool for every GPU the container sees"
     assert service["shm_size"] and int(service["shm_size"]) >= 1 << 30, "Python backend needs /dev/shm"
     assert service["ulimits"]["memlock"] == -1 and service["ulimits"]["stack"] == 67108864
     published = {(p["target"], str(p["published"])) for p in service["ports"]}
@@ -572,34 +730,52 @@ def check_server(service, dockerfile):
     assert all(p.get("host_ip") == "127.0.0.1" for p in service["ports"]), "loopback unless asked"
     health = service["healthcheck"]["test"]
     assert health[:5] == ["CMD", "python3", "-m", "colibri", "probe"] and "http://localhost:8000" in health, health
+    assert not any(" " in word for word in health), "podman 4.3 splits exec-form health check arguments at spaces"
     assert service.get("init") is True, "init reaps the stubs a killed tritonserver leaves"
     mounts = {m["target"]: m for m in service["volumes"]}
     weights = service["environment"]["COLIBRI_WEIGHTS"]
     assert any(weights.startswith(target + "/") for target in mounts), f"{weights} is not on a mounted volume"
 
 
-def test_compose_default_is_the_gpu_server(dockerfile):
+def test_compose_default_is_the_gpu_capable_debian_image(dockerfile):
     config = compose_config()
     assert set(config["services"]) == {"triton"}, "profiles keep cpu and loadtest out of `up`"
     triton = config["services"]["triton"]
     check_server(triton, dockerfile)
+    assert triton["build"]["target"] == "runtime-debian"
+    assert triton["build"]["args"] == {"CUDA": "1", "CUDA_STACK": "12"}
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
     assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] and (d.get("count") or d.get("device_ids"))
                for d in devices), devices
-    assert triton["build"]["args"]["CUDA_STACK"] == "12"
+    assert triton["environment"]["COLIBRI_CUDA_MEMORY_POOL_MB"] == "1024"
 
 
-def test_compose_settings_reach_the_services():
-    config = compose_config("cpu", env={"COLIBRI_CUDA_STACK": "11", "COLIBRI_GPUS": "all",
-                                        "COLIBRI_WEIGHTS_DIR": "/srv/colibri"})
+def test_compose_settings_reach_the_services(dockerfile):
+    images = set()
+    for env, target, args in [
+            ({}, "runtime-debian", {"CUDA": "1", "CUDA_STACK": "12"}),
+            ({"COLIBRI_CUDA": "0"}, "runtime-debian", {"CUDA": "0", "CUDA_STACK": "12"}),
+            ({"COLIBRI_BASE": "ngc"}, "runtime-ngc", {"CUDA": "1", "CUDA_STACK": "12"}),
+            ({"COLIBRI_BASE": "ngc", "COLIBRI_CUDA_STACK": "11"}, "runtime-ngc", {"CUDA": "1", "CUDA_STACK": "11"})]:
+        config = compose_config("cpu", env=env)
+        tags = {config["services"][name]["image"] for name in ("triton", "triton-cpu")}
+        assert len(tags) == 1, "both services run one image"
+        images |= tags
+        for name in ("triton", "triton-cpu"):
+            build = config["services"][name]["build"]
+            assert (build["target"], build["args"]) == (target, args), (env, build)
+            check_server(config["services"][name], dockerfile)
+    assert len(images) == 4, f"two settings share an image tag: {images}"
+    config = compose_config("cpu", env={"COLIBRI_GPUS": "all", "COLIBRI_WEIGHTS_DIR": "/srv/colibri",
+                                        "COLIBRI_CUDA_MEMORY_POOL_MB": "256", "COLIBRI_HTTP_PORT": "18000"})
     for name in ("triton", "triton-cpu"):
         service = config["services"][name]
-        assert service["build"]["args"]["CUDA_STACK"] == "11"
-        assert service["image"].endswith("11"), "two stacks must not share one image tag"
         bind = [m for m in service["volumes"] if m["type"] == "bind"]
         assert bind and bind[0]["source"] == "/srv/colibri", service["volumes"]
+        assert (8000, "18000") in {(p["target"], str(p["published"])) for p in service["ports"]}
     device = config["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["count"] in (-1, "all"), device
+    assert config["services"]["triton"]["environment"]["COLIBRI_CUDA_MEMORY_POOL_MB"] == "256"
 
 
 def test_compose_cpu_profile_serves_without_a_gpu(dockerfile):
@@ -608,22 +784,36 @@ def test_compose_cpu_profile_serves_without_a_gpu(dockerfile):
     check_server(cpu, dockerfile)
     assert not (cpu.get("deploy") or {}).get("resources", {}).get("reservations"), "cpu must reserve no GPU"
     assert cpu["environment"].get("NVIDIA_VISIBLE_DEVICES") == "void"
+    assert cpu["environment"].get("CUDA_VISIBLE_DEVICES") == ""
     # The model repository picks the device: KIND_AUTO gives a CPU instance when no GPU is visible.
     pbtxt = (REPO / "model_repository" / "colibri_moe" / "config.pbtxt").read_text()
     kinds = re.findall(r"kind:\s*(KIND_\w+)", pbtxt)
     assert kinds and set(kinds) <= {"KIND_AUTO", "KIND_CPU"}, f"KIND_GPU fails to load on a CPU host: {kinds}"
 
 
-def test_compose_loadtest_profile_targets_triton(dockerfile):
-    if not LOCUSTFILE.exists():
-        pytest.skip("loadtest/locustfile.py is not in the repository yet")
+CPU_COMMAND = "COLIBRI_CUDA=0 docker compose -f docker/docker-compose.yml --profile cpu up --build --wait triton-cpu"
+
+
+def test_ci_runs_the_cpu_command_the_readme_documents():
+    readme = (REPO / "README.md").read_text()
+    smoke = (REPO / "docker" / "ci" / "smoke.sh").read_text()
+    assert CPU_COMMAND in readme, "README's Docker section no longer documents the CPU-only command"
+    assert CPU_COMMAND in smoke, "docker/ci/smoke.sh does not run the README's command"
+    assert "docker/ci/smoke.sh" in (REPO / ".ci" / "run").read_text(), "CI does not start the image"
+
+
+def locust_user_classes():
+    tree = ast.parse(LOCUSTFILE.read_text())
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+
+
+def test_compose_loadtest_profile_starts_only_users_its_image_can_run(dockerfile):
     config = compose_config("loadtest")
     loadtest = config["services"]["loadtest"]
-    assert loadtest["build"]["target"] in {s.name for s in dockerfile.stages}
+    stage = dockerfile.stage(loadtest["build"]["target"])
     assert loadtest["depends_on"]["triton"]["condition"] == "service_healthy"
     command = loadtest["command"]
     assert "--headless" in command and "--host=http://triton:8000" in command, command
-    stage = dockerfile.stage(loadtest["build"]["target"])
     entrypoint = json.loads(stage.of("ENTRYPOINT")[-1].args)
     assert entrypoint[:2] == ["locust", "-f"], entrypoint
     copied = [flags_and_words(c.args)[1] for c in stage.of("COPY")]
@@ -631,6 +821,15 @@ def test_compose_loadtest_profile_targets_triton(dockerfile):
     sources = {REPO / words[0]: Path(words[-1]) for words in copied}
     assert any((src / locustfile.relative_to(dst)).is_file() for src, dst in sources.items()
                if dst in locustfile.parents), f"{locustfile} is not copied from the repository"
+    # Locust starts every user class of the file unless classes are named: name those the image runs
+    # (it has no GPU and no cupy, so not the CUDA shared-memory one).
+    users = [word for word in command if not word.startswith("-")]
+    classes = locust_user_classes()
+    assert users and set(users) <= set(classes), f"{users}: not user classes of {LOCUSTFILE.name}"
+    assert not any("cuda" in user.lower() for user in users), users
+    installed = {name for command, _ in pip_installs(dockerfile, stage, dockerfile.build_args())
+                 for name in package_names(command)}
+    assert not {"cupy-cuda12x", "cupy-cuda11x", "torch"} & installed
 
 
 # --------------------------------------------------------------------------------------- entrypoint
@@ -706,3 +905,56 @@ def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
     before = weights.stat().st_mtime_ns
     second = run_entrypoint(tmp_path, weights, "true", **env)
     assert second.returncode == 0 and weights.stat().st_mtime_ns == before, "demo rewritten on restart"
+
+
+def fake_tritonserver(tmp_path, gpus=None):
+    """bin folder with a tritonserver that prints its arguments and, with gpus, an nvidia-smi listing
+    that many (gpus=0: one that finds none, as on a host without GPU)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "tritonserver").write_text('#!/bin/sh\necho "$*"\n')
+    if gpus is not None:
+        listing = "".join(f"echo 'GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:04d})'\n" for i in range(gpus))
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{listing}" + ("" if gpus else "echo 'No devices were found'; exit 6\n"))
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "COLIBRI_WATCHDOG": "0"}
+
+
+def tritonserver_flags(tmp_path, gpus, *command, **env):
+    weights = tmp_path / "w.colibri.safetensors"
+    weights.write_bytes(b"kept")
+    result = run_entrypoint(tmp_path, weights, "tritonserver", *command, **fake_tritonserver(tmp_path, gpus), **env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_entrypoint_sets_a_cuda_memory_pool_for_every_gpu(tmp_path):
+    gib = 1 << 30
+    assert tritonserver_flags(tmp_path, 3, "--model-repository=/models") == ["--model-repository=/models"] + [
+        f"--cuda-memory-pool-byte-size={gpu}:{gib}" for gpu in range(3)]
+    assert tritonserver_flags(tmp_path, 0, "--x") == ["--x"], "no GPU, no pool"
+    # CUDA numbers the devices CUDA_VISIBLE_DEVICES lists, up to the first that names none.
+    assert tritonserver_flags(tmp_path, 4, CUDA_VISIBLE_DEVICES="3,1")[-2:] == [
+        f"--cuda-memory-pool-byte-size=0:{gib}", f"--cuda-memory-pool-byte-size=1:{gib}"]
+    assert tritonserver_flags(tmp_path, 4, CUDA_VISIBLE_DEVICES="2,-1,0") == [f"--cuda-memory-pool-byte-size=0:{gib}"]
+    assert tritonserver_flags(tmp_path, 2, CUDA_VISIBLE_DEVICES="") == []
+    assert tritonserver_flags(tmp_path, 2, COLIBRI_CUDA_MEMORY_POOL_MB="256") == [
+        f"--cuda-memory-pool-byte-size={gpu}:{256 << 20}" for gpu in range(2)]
+    assert tritonserver_flags(tmp_path, 2, COLIBRI_CUDA_MEMORY_POOL_MB="0") == []
+    # A command that sets the pool itself is left as it is.
+    assert tritonserver_flags(tmp_path, 2, "--cuda-memory-pool-byte-size=1:5") == ["--cuda-memory-pool-byte-size=1:5"]
+    weights = tmp_path / "w.colibri.safetensors"
+    bad = run_entrypoint(tmp_path, weights, "tritonserver", **fake_tritonserver(tmp_path, 1),
+                         COLIBRI_CUDA_MEMORY_POOL_MB="1g")
+    assert bad.returncode == 2 and "COLIBRI_CUDA_MEMORY_POOL_MB" in bad.stderr
+
+
+def test_entrypoint_points_the_wheel_tritonserver_at_its_backends(tmp_path):
+    assert tritonserver_flags(tmp_path, 0, "--a", COLIBRI_TRITON_BACKENDS="/opt/b") == ["--backend-directory=/opt/b", "--a"]
+    assert tritonserver_flags(tmp_path, 0, "--backend-directory=/x", COLIBRI_TRITON_BACKENDS="/opt/b") == [
+        "--backend-directory=/x"], "a command that names its backends keeps them"
+    # Other commands are run as given.
+    weights = tmp_path / "w.colibri.safetensors"
+    other = run_entrypoint(tmp_path, weights, "echo", "--a", **fake_tritonserver(tmp_path, 2), COLIBRI_TRITON_BACKENDS="/b")
+    assert other.stdout.split() == ["--a"]
