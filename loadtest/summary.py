@@ -234,23 +234,26 @@ def plot(summary: dict, samples: dict, history, path: Path, title: str = "") -> 
         users_axis.set_ylabel("users", color="grey")
 
     stepped = len({r["users"] for r in summary["by_users"]}) > 1
-    for group in summary["groups"] if stepped else []:
+    for index, group in enumerate(summary["groups"] if stepped else []):
         rows = [r for r in summary["by_users"] if (r["protocol"], r["profile"]) == (group["protocol"], group["profile"])]
         if not rows:
             continue
         x, y = [r["users"] for r in rows], [r["p99_ms"] for r in rows]
-        line, = by_users.plot(x, y, "-", label=f"{group['protocol']} {profile_label(group['profile'])}")
+        line, = by_users.plot(x, y, "o-", label=f"{group['protocol']} {profile_label(group['profile'])}")
         for r in rows:  # every point with its sample count; hollow where too few for a P99
             few = "p99_ms" in r["few_samples"]
-            by_users.plot([r["users"]], [r["p99_ms"]], "o", color=line.get_color(), mfc="none" if few else None)
+            if few:
+                by_users.plot([r["users"]], [r["p99_ms"]], "o", color=line.get_color(), mfc="white")
             by_users.annotate(f"n={r['samples']}" + ("*" if few else ""), (r["users"], r["p99_ms"]), fontsize=7,
-                              color=line.get_color(), textcoords="offset points", xytext=(4, 3))
+                              color=line.get_color(), textcoords="offset points", xytext=(5, 8 * index - 10))
     by_users.set(xlabel="concurrent users", ylabel="P99 latency (ms); prefill = TTFT",
                  title=f"P99 against concurrency (n = requests behind each P99; hollow, *: fewer than {needed})")
     by_users.title.set_fontsize(9)
     if stepped:
         by_users.set_xscale("log", base=2)
-        by_users.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        by_users.set_xticks(sorted({r["users"] for r in summary["by_users"]}))
+        by_users.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        by_users.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         by_users.legend(fontsize=8)
     else:  # one user count: the tail of each group instead (the share of requests slower than x)
         for group in summary["groups"]:
