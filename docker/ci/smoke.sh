@@ -16,7 +16,9 @@ PD_BASES=bookworm
 # shellcheck source=docker/ci/podman-docker.sh
 source docker/ci/podman-docker.sh
 cleanup() {
-  "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+  # podman-docker.sh's functions are not written for errexit (pd_stop waits on a killed loop).
+  set +e
+  "${compose[@]}" down -v --remove-orphans >/dev/null 2>&1
   pd_prune images
   pd_stop
 }
