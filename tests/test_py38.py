@@ -31,7 +31,7 @@ ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py"]
 # Imported only for developer commands, which are documented as 3.10+ (backend_src/pyproject.toml).
 DEVELOPER_TOOLS = {"pack", "serve", "bench", "testing", "reference"}
 # The modules the walk must find, so that a change to how it reads imports cannot shrink the check.
-KNOWN_RUNTIME = {"__init__", "__main__", "_native", "_ffi_build", "dlpack", "dtypes", "layer", "checkpoint",
+KNOWN_RUNTIME = {"__init__", "__main__", "_native", "_ffi_build", "config", "dlpack", "dtypes", "layer", "checkpoint",
                  "safetensors_io", "watchdog"}
 
 

@@ -29,9 +29,9 @@ demo, info, serve, probe, watch, bench).
 """
 from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUMENT, STATUS_OK,
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
+from colibri.config import LayerConfig
 from colibri.dlpack import Tensor
-from colibri.layer import (LayerConfig, MoELayer, nonfinite_rows, nonfinite_rows_by_part,
-                           nonfinite_rows_by_part_later)
+from colibri.layer import MoELayer, nonfinite_rows, nonfinite_rows_by_part, nonfinite_rows_by_part_later
 
 __version__ = ffi.string(lib.colibri_version()).decode()
 

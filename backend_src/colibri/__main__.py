@@ -6,7 +6,7 @@ import sys
 
 from colibri import checkpoint
 from colibri._native import ColibriError
-from colibri.layer import EXPERT_KINDS, ROUTINGS
+from colibri.config import EXPERT_KINDS, ROUTINGS
 
 # The runtime and `demo`/`info` run on Python 3.8 (the CUDA 11.8 image); these are developer tools,
 # written for and tested on 3.10+ only (backend_src/pyproject.toml).

@@ -23,7 +23,8 @@ import numpy as np
 
 from colibri.dlpack import Tensor
 from colibri.dtypes import bf16_to_float32, float32_to_bf16
-from colibri.layer import LayerConfig, MoELayer
+from colibri.config import LayerConfig
+from colibri.layer import MoELayer
 
 SHAPES = (  # name, E, k, H, F
     ("E8 k2 H1024 F2816", 8, 2, 1024, 2816),

@@ -16,7 +16,7 @@ import numpy as np
 from colibri import safetensors_io as st
 from colibri._native import ColibriError, STATUS_INVALID_ARGUMENT
 from colibri.dtypes import from_float
-from colibri.layer import EXPERT_KINDS, ROUTINGS, LayerConfig
+from colibri.config import EXPERT_KINDS, ROUTINGS, LayerConfig
 
 FORMAT = "colibri-moe/1"
 REQUIRED_METADATA = ("expert_kind", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",

@@ -27,7 +27,7 @@ from colibri import checkpoint
 from colibri import safetensors_io as st
 from colibri._native import STATUS_INVALID_ARGUMENT, ColibriError
 from colibri.dtypes import from_float, to_float32
-from colibri.layer import ROUTINGS, LayerConfig
+from colibri.config import ROUTINGS, LayerConfig
 
 MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
                       r"(?:gate\.weight|experts\.)")

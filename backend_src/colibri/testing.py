@@ -5,7 +5,7 @@ import numpy as np
 
 from colibri import reference
 from colibri.dtypes import from_float, to_float64
-from colibri.layer import LayerConfig
+from colibri.config import LayerConfig
 
 # max |out - ref| / max |ref| allowed, by the least precise dtype involved. fp32: accumulation order
 # over a few hundred products; fp16 / bf16: a few roundings of the input, intermediate and output
