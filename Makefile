@@ -7,6 +7,7 @@
 #   make examples   build examples/hello_colibri.c against build/libcolibri.a and run it on a demo checkpoint
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
 #   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
+#   make test-cuda      the CUDA correctness harness on the GPU (CUDA_HARNESS_ARGS=--quick; empty: full)
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
 #          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
 SHELL := /bin/bash
@@ -207,6 +208,23 @@ help:
 	@awk 'NR > 1 && !/^#/ { exit } NR > 1' Makefile
 
 # The CUDA 11.8 promise (cupy-cuda11x and tritonserver 22.12 stacks): compile the CUDA sources with
-# CUDA 11.8's nvcc, which csrc/dev/cuda/check_cuda11.sh fetches into build-cuda11/ (CI runs it).
+# CUDA 11.8's nvcc, which tools/check_cuda11.sh fetches into build-cuda11/ (CI runs it).
 check-cuda11:
-	csrc/dev/cuda/check_cuda11.sh build-cuda11
+	tools/check_cuda11.sh build-cuda11
+
+# The CUDA correctness harness (csrc/tests/check_cuda.cu, public API against float64) linked to
+# $(LIB_A) and run on the GPU; the quick subset by default, CUDA_HARNESS_ARGS= for the full harness.
+# It is .cu, so test-c's csrc/tests/*.c leaves it out.
+CUDA_HARNESS_ARGS ?= --quick
+.PHONY: test-cuda
+ifeq ($(filter-out $(BUILD)/obj/src/cuda_stub.o,$(BACKEND_OBJS)),)
+test-cuda:
+	@echo "colibri: make test-cuda needs the CUDA backend, which is $(CUDA_STATE)" >&2; exit 1
+else
+$(BUILD)/tests/check_cuda: csrc/tests/check_cuda.cu $(LIB_A) csrc/include/colibri.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 -Icsrc/include -Xcompiler -fopenmp -o $@ $< $(LIB_A) -lgomp
+
+test-cuda: $(BUILD)/tests/check_cuda
+	$< $(CUDA_HARNESS_ARGS)
+endif

@@ -1,7 +1,7 @@
-"""CUDA backend on a GPU: the C harness (csrc/dev/cuda/check_cuda.cu: every routing x kind x dtype pair
-against float64, determinism, graph replay, bad ids) built and run in its quick mode, and forward
-captured in a torch CUDA graph through the Python package, replayed on fresh inputs and compared
-bitwise with eager forwards. Skipped, with the reason, where there is no GPU."""
+"""CUDA backend on a GPU: the C harness (csrc/tests/check_cuda.cu: every routing x kind x dtype pair
+against float64, determinism, graph replay, bad ids) built and run in its quick mode by
+`make test-cuda`, and forward captured in a torch CUDA graph through the Python package, replayed on
+fresh inputs and compared bitwise with eager forwards. Skipped, with the reason, where there is no GPU."""
 import pathlib
 import shutil
 import subprocess
@@ -19,12 +19,9 @@ needs_gpu = pytest.mark.skipif(not gpu, reason="needs the CUDA backend built and
 
 @needs_gpu
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to build the harness")
-def test_c_harness_quick(tmp_path):
-    subprocess.run(["make", "--no-print-directory", "lib"], cwd=ROOT, check=True, capture_output=True)
-    exe = tmp_path / "check_cuda"
-    subprocess.run(["nvcc", "-O2", "-std=c++17", "-Icsrc/include", "-Xcompiler", "-fopenmp", "-o", str(exe),
-                    "csrc/dev/cuda/check_cuda.cu", "build/libcolibri.a", "-lgomp"], cwd=ROOT, check=True)
-    result = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=900)
+def test_c_harness_quick():
+    result = subprocess.run(["make", "--no-print-directory", "test-cuda", "CUDA_HARNESS_ARGS=--quick"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0 and "PASS:" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]
 
 

@@ -4,9 +4,9 @@
 # The toolkit is Debian bookworm's non-free nvidia-cuda-toolkit 11.8.89, fetched once into CACHE
 # (about 870 MB of .debs, checked against their SHA-256), of which only the compiler and the headers
 # are unpacked. The wheel nvidia-cuda-nvcc-cu11 cannot do this: it holds ptxas and libnvvm, no nvcc.
-#   csrc/dev/cuda/check_cuda11.sh [CACHE]      (default: build-cuda11/)
+#   tools/check_cuda11.sh [CACHE]      (default: build-cuda11/)
 set -euo pipefail
-cd "$(dirname "$0")/../../.."
+cd "$(dirname "$0")/.."
 cache=$(realpath -m "${1:-build-cuda11}")
 root=$cache/root
 pool=http://deb.debian.org/debian/pool/non-free/n/nvidia-cuda-toolkit

@@ -1,7 +1,6 @@
 /*
  * check_cuda.cu — GPU correctness harness for the CUDA backend, through the public API only.
- *   make lib && nvcc -O2 -std=c++17 -Icsrc/include -Xcompiler -fopenmp -o build/check_cuda \
- *        csrc/dev/cuda/check_cuda.cu build/libcolibri.a -lgomp && build/check_cuda [--quick]
+ *   make test-cuda                        (--quick; CUDA_HARNESS_ARGS= runs the full harness)
  *   (COLIBRI_CHECK_ONLY=text runs only the cases whose name contains it)
  *   (COLIBRI_CUDA_NO_WS=1, read by the library: the 128-row tiles on wgmma_kernel, not wgmma_ws_kernel)
  *
