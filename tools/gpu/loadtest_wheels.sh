@@ -1,11 +1,11 @@
 #!/bin/bash
 # Fills .whl/loadtest/ (git-ignored; WHL=DIR for another folder than .whl) with what
-# bench/serving/compare.py needs on a GPU node that reaches no registry, beyond client/gpu_wheels.sh's
+# bench/serving/compare.py needs on a GPU node that reaches no registry, beyond tools/gpu/wheels.sh's
 # .whl/ (colibri's binding, tritonclient, cuda-python, the tritonserver bundle): Locust and its gevent
 # stack and tritonclient's HTTP client, as cp312 manylinux x86_64 wheels at constraints.txt's versions
 # (what it leaves unpinned resolves as the venv's does). Then one installed site-packages of both
 # folders for the node: .whl/site-py312.tar.xz (carry limits are tight).
-#   usage (from anywhere, with PyPI reachable): client/gpu_wheels.sh, then bench/serving/wheels.sh
+#   usage (from anywhere, with PyPI reachable): tools/gpu/wheels.sh, then tools/gpu/loadtest_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 whl=${WHL:-.whl}
@@ -18,7 +18,7 @@ rm -f "$whl"/loadtest/*.whl  # an earlier run's versions would be installed besi
 python3 -m pip download -q "${target[@]}" -c constraints.txt -d "$whl/loadtest" locust 'tritonclient[grpc,http]'
 rm -f "$whl"/loadtest/numpy-*.whl  # the node's numpy 2 stays (its cupy needs it; tritonclient takes it)
 du -sh "$whl/loadtest"
-# One installed site-packages for the GPU node: these wheels and gpu_wheels.sh's, each package once,
+# One installed site-packages for the GPU node: these wheels and wheels.sh's, each package once,
 # unpacked for CPython 3.12, without tritonclient's perf_analyzer binaries and the bindings' C++
 # sources: 22 MB as .whl/site-py312.tar.xz (2026-12-06; the bindings, grpcio and ml_dtypes are most of it).
 site=$(mktemp -d)

@@ -1,14 +1,14 @@
 #!/bin/bash
 # The pytest suite's GPU tests (tests/test_cuda.py, and the GPU cases of test_layer.py and
 # test_model_py.py) on a GPU machine that reaches no registry (the H200: python3 3.12 with torch,
-# cupy, numpy and nvcc). Carry .whl/pytest (client/gpu_wheels.sh fills it: pytest, hypothesis,
+# cupy, numpy and nvcc). Carry .whl/pytest (tools/gpu/wheels.sh fills it: pytest, hypothesis,
 # safetensors and their dependencies, as the CI's constraints.txt pins them, and cffi, which the
 # image lacks) and a library built with the CUDA backend (LIB=...; else `make lib CUDA_ARCH=90` runs
 # there). The image's own pytest plugins are left out: its pytest-timeout does not load into the
 # pinned pytest.
-#   usage, from the repository root: OUT=/some/dir [LIB=build/libcolibri.so] tests/gpu_pytest.sh [pytest args]
+#   usage, from the repository root: OUT=/some/dir [LIB=build/libcolibri.so] tools/gpu/pytest.sh [pytest args]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/gpu-pytest}
 mkdir -p "$out"
 work=$(mktemp -d)

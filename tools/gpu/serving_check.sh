@@ -4,11 +4,11 @@
 # Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; fp32 activations on the wire)
 # with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients,
 # and times the first requests with and without the instance's warm-up. Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz
-# (client/gpu_wheels.sh, then bench/serving/wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
+# (tools/gpu/wheels.sh, then tools/gpu/loadtest_wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
 # Writes $OUT (default ./gpu-check): summary.txt, first_request.json and one log per step.
-#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=build/libcolibri.so] client/gpu_check.sh
+#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=build/libcolibri.so] tools/gpu/serving_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/gpu-check}
 shape=${SHAPE:-8,2,4096,14336}
 mkdir -p "$out"
@@ -31,7 +31,7 @@ step() {  # step LOG DESCRIPTION COMMAND...: runs COMMAND, output appended to $o
 mkdir -p "$work/site" "$work/triton" "$work/notorch/torch"
 tar xJf .whl/site-py312.tar.xz -C "$work/site"
 tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
-echo 'raise ImportError("torch is not installed here (client/gpu_check.sh: the server must not need it)")' \
+echo 'raise ImportError("torch is not installed here (tools/gpu/serving_check.sh: the server must not need it)")' \
   > "$work/notorch/torch/__init__.py"
 # cuda-bindings 12.9 (tritonclient's CUDA shared memory) opens libcudart.so.12 by that name: the
 # bundle's CUDA 12 runtime answers to it.

@@ -1,10 +1,10 @@
 #!/bin/bash
 # bench/serving/compare.py on a GPU node that reaches no registry (the H200: python3 3.12 with torch,
-# nvcc, make). Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz (bench/serving/wheels.sh
-# and client/gpu_wheels.sh make them here) and, to skip the build there, a library built here
+# nvcc, make). Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz (tools/gpu/loadtest_wheels.sh
+# and tools/gpu/wheels.sh make them here) and, to skip the build there, a library built here
 # (COLIBRI_LIB=build/libcolibri.so; else `make lib` runs there). Writes build.log, compare.log,
 # compare.json, compare.png, sweep.png, and runs.tgz (tritonserver.log and every Locust run) to $OUT.
-#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=...] bench/serving/gpu_compare.sh [compare.py options]
+#   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=...] tools/gpu/serving_compare.sh [compare.py options]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/serving-gpu}

@@ -1,13 +1,13 @@
 #!/bin/bash
-# Fills .whl/ (git-ignored; WHL=DIR elsewhere) with what client/gpu_check.sh needs on a GPU machine that
+# Fills .whl/ (git-ignored; WHL=DIR elsewhere) with what tools/gpu/serving_check.sh needs on a GPU machine that
 # reaches no package registry (Python 3.12 with numpy 2, cupy and safetensors already there): colibri's
 # binding (cffi, pycparser), tritonclient's gRPC client and its CUDA shared-memory utilities
 # (cuda-python) with their dependencies, as cp312 manylinux wheels at constraints.txt's versions, and
 # the tritonserver of the nvidia-pytriton wheel packed for Python 3.12 by
-# ../shared/tools/tritonserver-bundle.sh; .whl/pytest for tests/gpu_pytest.sh.
-#   usage (from anywhere, with PyPI reachable): client/gpu_wheels.sh
+# ../shared/tools/tritonserver-bundle.sh; .whl/pytest for tools/gpu/pytest.sh.
+#   usage (from anywhere, with PyPI reachable): tools/gpu/wheels.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 whl=${WHL:-.whl}
 mkdir -p "$whl"
 # Every version from constraints.txt (markers evaluated for Python 3.12): nothing is pinned here.
@@ -21,7 +21,7 @@ python3 -m pip download -q "${target[@]}" -d "$whl" cffi pycparser 'tritonclient
 # The host's numpy stays: its cupy needs numpy 2, constraints.txt pins 1.x for tritonserver's stub, and
 # tritonclient 2.73 takes either.
 rm -f "$whl"/numpy-*.whl
-# tests/gpu_pytest.sh: the test runner, pinned as constraints.txt pins it for the CI, with its
+# tools/gpu/pytest.sh: the test runner, pinned as constraints.txt pins it for the CI, with its
 # dependencies (the image's pytest has plugins that do not load into this one: the script turns
 # plugin autoloading off), and cffi for the binding, which the H200's image lacks.
 mkdir -p "$whl/pytest"
