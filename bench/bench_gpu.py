@@ -89,7 +89,7 @@ def capture(lib, ctx, T, x, out, ids=None, weights=None):
 class Timer:
     """Median of `reps` CUDA-event timings of fn(), each after an L2 flush: `zero` writes 512 MB (L2 is
     left full of dirty lines, which the timed call's reads then write back to HBM beside its own
-    reads), `read` reads 512 MB (L2 left clean, as after layers that mostly read: NOTES.md v20)."""
+    reads), `read` reads 512 MB (L2 left clean, as after layers that mostly read)."""
 
     def __init__(self, reps, flush="zero"):
         self.reps = reps
@@ -188,7 +188,7 @@ def random_layer(E, H, F):
 def row_tokens(T, H):
     """The bf16 tokens [T, H] of a row, drawn with seed T: a row's tokens, and so its rows per expert, depend on
     its shape and T alone (before v25 they came from the random stream after the run's earlier rows, and the
-    same T drew differently in runs of different --tokens). csrc/dev/cuda/ncu_forward.py profiles the same."""
+    same T drew differently in runs of different --tokens). bench/ncu_forward.py profiles the same."""
     gen = torch.Generator(device="cuda")
     gen.manual_seed(T)
     return torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)

@@ -1,8 +1,8 @@
 """Per-kernel timeline of CUDA-graph replays of one forward, as bench/bench_gpu.py runs them (an L2 flush
 before each replay), from the CUPTI kernel records of torch.profiler: no patched build, no counters.
 
-  python3 csrc/dev/cuda/replay_kernels.py --libs base=PATH,new=PATH [--shapes Mixtral-8x7B] [--tokens 256]
-                                          [--reps 20] [--json trace.json]
+  python3 bench/kernel_timeline.py --libs base=PATH,new=PATH [--shapes Mixtral-8x7B] [--tokens 256]
+                                   [--reps 20] [--json trace.json]
 
 For every build, shape and T: each kernel of the forward in launch order with the median over the replays
 of its start and end (us from the first kernel's start in that replay; a kernel launched under programmatic
@@ -11,24 +11,32 @@ its duration, then the replay's span (first start to last end). The builds' repl
 per round, as in the bench. The profiler's own cost is on the host; the times are the GPU's.
 --sustain S: instead, each build replays (flush, replay, wait) for S seconds, the builds in turn and twice over,
 while nvidia-smi samples the SM clock and the power draw every 50 ms; per build, the median replay time and the
-median clock and power of its phases (the GPU's power limit slows long compute-bound forwards: NOTES.md v16 B).
-Shapes and weights are bench_gpu.py's (same seed).
+median clock and power of its phases (the GPU's power limit slows long compute-bound forwards).
+Shapes, weights and tokens are bench_gpu.py's (same seeds).
 """
 import argparse
 import datetime
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "bench")]
-import bench_gpu as bg  # noqa: E402
-import decode_trace  # noqa: E402  (beside this file: bench_gpu.py's layers as contexts, a timed replay)
+import bench_gpu as bg  # bench/, beside this script
+from ncu_forward import context
+
+
+def timed_ms(graph, flush):
+    """One replay of graph after an L2 flush, timed by CUDA events (ms)."""
+    flush.zero_()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def short_name(name):
@@ -98,7 +106,7 @@ def sustain_one(labelled, T, x, out, seconds, flush):
                 for label, g in graphs.items():
                     t0 = time.time()
                     while time.time() - t0 < seconds:
-                        times[label].append(decode_trace.timed(g, flush, "zero") / 1e3)
+                        times[label].append(timed_ms(g, flush))
                     phases.append((label, t0, time.time()))
         finally:
             smi.terminate()
@@ -152,11 +160,10 @@ def main():
     for name, E, k, H, F, renorm in bg.SHAPES:
         if name not in args.shapes.split(","):
             continue
-        ctxs = decode_trace.setup(name, E, k, H, F, renorm, libs)
-        labelled = [(label, lib, ctxs[label]) for label, lib in libs]
+        labelled = [(label, lib, context(lib, E, k, H, F, renorm)) for label, lib in libs]
         try:
             for T in [int(t) for t in args.tokens.split(",") if t]:
-                x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                x = bg.row_tokens(T, H)
                 out = torch.empty_like(x)
                 if args.sustain > 0:
                     for label, r in sustain_one(labelled, T, x, out, args.sustain, flush).items():
