@@ -1,27 +1,12 @@
 /*
- * check_cuda.cu — GPU correctness harness for the CUDA backend, through the public API only.
- *   make test-cuda                        (--quick; CUDA_HARNESS_ARGS= runs the full harness)
- *   (COLIBRI_CHECK_ONLY=text runs only the cases whose name contains it)
- *   (COLIBRI_CUDA_NO_WS=1, read by the library: the 128-row tiles on wgmma_kernel, not wgmma_ws_kernel)
- *
- * For every routing (given ids, given ids with chosen rows per expert, softmax->top-k with and without renormalisation, top-k->softmax,
- * sigmoid+bias with a scaling factor, a custom routing_fn) x expert kind x weight dtype x activation
- * dtype x T, on fresh random inputs: colibri_moe_route against a float64 routing (ids compared only
- * where the reference's scores are clearly apart, weights there too), then forward with those ids
- * against a float64 forward, the error normalised by max|reference| and bounded per dtype; outputs are
- * poisoned with NaN first and any non-finite output fails. Also: forward without ids is bitwise the
- * forward with the routed ids, run-to-run bitwise determinism, CUDA-graph capture + replay equal to
- * eager, ids out of range flagged and skipped, expert counters, chunking with a small workspace, and
- * forwards enqueued back to back on one stream bitwise equal to the same forwards one at a time.
- * Shapes cover the gemv path (scalar and 16-byte), each tensor-core tile height and partial tiles,
- * and 128-row tiles over a K long enough to cycle the wgmma kernel's ring of stages (with 2 and with
- * 3 stages ahead: compute-bound and streaming tiles); for routing, the
- * small-T kernel, the gemv, the gemv split along H (rows of 1000 and 4000 elements: 8 experts up to
- * T = 513, 60 experts below 128 tokens; up to 16 splits, the last one short; 16-byte and scalar), the
- * split router GEMM (from T = 128 with more than 16 experts: 33, 60, 64 and 100; one and two expert tiles; rows of up to
- * 2048 elements, a router that bf16 holds exactly among them), and the
- * one-block and multi-block permutations. The custom routing_fn case has a router too (its logits are computed).
- * Exit status 0 only if every check passed.
+ * check_cuda.cu — the CUDA backend's correctness harness, through the public API only: every routing x
+ * expert kind x weight and activation dtype x T on fresh random inputs against float64 (errors normalised
+ * by max|reference|, bounded per dtype; outputs poisoned with NaN first, non-finite fails), plus bitwise
+ * determinism, graph replay, ids out of range, expert counters, chunking and back-to-back forwards.
+ * Shapes reach every kernel path: gemv, each tensor-core tile height, 128-row wgmma tiles and folds.
+ *   make test-cuda      (--quick; CUDA_HARNESS_ARGS= runs all of it; exit status 0 only if all passed)
+ *   COLIBRI_CHECK_ONLY=text runs the cases whose name contains text; COLIBRI_CUDA_NO_WS=1 (read by the
+ *   library) puts the 128-row tiles on wgmma_kernel rather than wgmma_ws_kernel.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -534,8 +519,8 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     CUDA_OK(cudaGraphDestroy(graph));
 
     /* ids out of range: slot 0 of every token gets E, -1 or E + 100, and every slot of token 5 and of every
-     * 17th after it (an output row of zeros, which no expert's row reaches: fused_combine.patch, NOTES.md v26,
-     * had the permutation write it) */
+     * 17th after it (an output row of zeros, which no expert's row reaches: a permutation that writes such
+     * rows must still leave it zero) */
     std::vector<int> ids((size_t)T * s.k);
     std::vector<float> wts((size_t)T * s.k, 0.5f);
     std::vector<uint64_t> want(s.E, 0), counts(s.E);
@@ -579,7 +564,7 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
 /* Forwards of different tokens enqueued back to back on one stream (routing inside), against the same
  * forwards run one at a time: bitwise equal. Under programmatic dependent launch the next forward's
  * kernels start while this one's end, so whatever state a forward keeps in the workspace between its
- * kernels (counters reset within the forward, flags) must be back at its start by then (NOTES.md v20 C). */
+ * kernels (counters reset within the forward, flags) must be back at its start by then. */
 static void back_to_back(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T, std::mt19937_64 &rng) {
     char name[160];
     Layer L;
@@ -729,7 +714,7 @@ int main(int argc, char **argv) {
     /* decode of 16-byte rows whose down projection's blocks take 3 output rows each (H = 1000 over 3 x 132
      * blocks on an H200: the last block 1 row), inter rows of 5.5 16-byte steps per lane (F = 1400); at
      * T = 2 with k = 4, 8 assignments whose experts the two tokens share (GIVEN piles half the tokens onto
-     * expert 0). fused.patch (NOTES.md v21) ran its one-kernel decode on these. */
+     * expert 0). */
     const Shape decode = {8, 4, 1000, 1400};
     for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16})
         for (int r = 0; r < 2; r++)
@@ -743,11 +728,10 @@ int main(int argc, char **argv) {
      * 24, 25, 48 and 49 rows past one tile (25-49: a tile of their own), 24, 33 (17 + 16) and 48 (24 + 24)
      * past two, 40 past three; and 67 past three, 90 and 78 past four, 2 and 1 past one and two (mc_deep,
      * one_deep: folded over 3-4 tiles where PERMUTE_FOLD_TILES is set to 4); 11 past one and three, 13 past
-     * one and two, 30 (15 + 15) past two and three, 44 (22 + 22) past two (mc_sized, one_sized: written for
-     * sized_fold.patch's products of 136 and 144 token rows, NOTES.md v25 A, which did not land; on main
-     * they are folds of 152 like the others). On the cluster kernel (at most 2
+     * one and two, 30 (15 + 15) past two and three, 44 (22 + 22) past two (mc_sized, one_sized: folds that
+     * products of 136 or 144 token rows would fit; folds of 152 like the others). On the cluster kernel (at most 2
      * tiles per expert on average) and on the one-block kernel (3 stages of k, the last partial), SWIGLU and
-     * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). NOTES.md v22-v25. */
+     * linear; the column blocks end inside the last 256 (128 for SWIGLU's up projection). */
     const std::vector<int> mc_counts = {129, 144, 272, 145, 130, 0}, one_counts = {400, 390, 272, 130},
                            edge24 = {152, 153, 280, 256, 0, 79}, edge48 = {176, 177, 304, 289, 0, 2},
                            one48 = {424, 390, 272, 106}, mc_deep = {451, 602, 0, 130, 257, 0},
@@ -774,7 +758,7 @@ int main(int argc, char **argv) {
         for (int T : {1, 4, 7}) back_to_back(aligned, w, w, T, rng);
     back_to_back(wide, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, 1, rng);
     /* 128-row tiles on wgmma_ws_kernel, streaming (many, T=300) and compute-bound (aligned, T=513): its item
-     * counters, and the per-token counts of fused_combine.patch (NOTES.md v26), must be back at 0 when the
+     * counters, and any per-token counts, must be back at 0 when the
      * next forward's kernels start */
     back_to_back(many, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 300, rng);
     back_to_back(aligned, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 513, rng);
