@@ -18,17 +18,13 @@
  */
 #include "permute.cuh"
 
-/* Fewer assignments: one block. ncu on the H200, one forward each: the one block took 7-10 us up to 2048
- * assignments, the two multi-block launches 9-12; at 4096 14.0 against 11.8, at 6144 20.5 against 12.0,
- * at 24576 72.1 against 13.9. */
+/* Below this, one block permutes faster than the two multi-block launches (docs/performance.md). */
 #ifndef PERMUTE_MULTI_MIN
 #define PERMUTE_MULTI_MIN 4096
 #endif
 
-/* The expert projection after it (launched through programmatic dependent launch) may launch once the tile
- * table is written, not at the start: launched at the start, the first projection ended 1.7-3.1 us later at
- * T = 256 (fine-grained T = 64-256 1.01-1.02x; the permutation's own cycles the same either way, so why is
- * not known: NOTES.md v28 B). It still waits for this kernel's end before it reads anything. */
+/* The expert projection may launch once the tile table is written rather than at the start, which ended
+ * it 1.7-3.1 us sooner at T = 256; it still waits for this kernel's end before it reads anything. */
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
     pdl_wait();
     extern __shared__ int smem[];

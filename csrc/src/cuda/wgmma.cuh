@@ -1,39 +1,11 @@
 /*
- * wgmma.cuh — the 128-token expert tiles on Hopper: warpgroup MMA (wgmma, sm_90a) from shared memory.
- * Included by experts.cu after its cp.async helpers; used in place of mma_kernel for tiles of 128
- * rows when colibri_cuda_experts_setup found the sm_90a image loaded (wgmma_available).
- *
- * mma.sync tops out near 290 TFLOP/s on an H200 (csrc/dev/cuda/NOTES.md): its operands go through
- * registers (ldmatrix) and each warp issues a 16x8x16 product at a time. wgmma lets one warpgroup (4
- * warps) multiply a 64 x 256 x 16 block straight out of shared memory, asynchronously.
- *
- * Block: 256 threads = two warpgroups, a tile of 128 token rows (M) by 256 weight rows (N: SWIGLU
- * 128 gate rows then the 128 up rows of the same output columns; otherwise 256 rows of one matrix),
- * K in steps of 64 elements. Every thread gathers with cp.async (token rows through perm, as
- * mma_kernel does) into a 4-stage ring of 48 KB stages; shared-memory rows of 128 bytes with chunk c
- * of row r at c ^ (r & 7) (swz<64>) are exactly the 128-byte swizzle of wgmma's K-major operands when
- * each operand starts on 1024 bytes. Warpgroup w multiplies token rows [64w, 64w + 64) by all 256
- * weight rows: one m64n256k16 per 16 k, its 128 fp32 accumulators per thread in registers. A stage's
- * products run while the next 2 stages load (3 where the experts have less than a tile of rows each
- * and the weights stream from HBM); a slot is refilled only after both warpgroups waited for the
- * products that read it (wgmma.wait_group 1 leaves the newest group running; 0 with 3 ahead). The
- * grid is one block per SM, each walking (tile, column block) items with the ring running on across
- * them (wgmma_kernel). A tile of at most 64 rows (an expert's last, partial one) leaves warpgroup 1
- * out of the products: it keeps only the loads and barriers going (1.01-1.03x at fine-grained T=4096).
- * Measured steps and what they gave: csrc/dev/cuda/NOTES.md, v4, v9 and v10.
- *
- * Epilogue (the tensor cores idle while it runs): each warp converts its 16 rows (SWIGLU: silu(gate) *
- * up, silu through one tanh.approx), writes them with stmatrix into a staging buffer of 34 KB behind the
- * ring (227 KB in all) and hands each row to the bulk-copy engine (cp.async.bulk shared -> global, a row
- * per lane), so that no thread waits on scattered 4-byte global stores; a linear item's second 128
- * columns, which do not fit there, go through a ring slot that is free until the next item's first k
- * step, with coalesced 16-byte stores. NOTES.md, v7.
- *
- * Where the driver encodes tensor maps (CUDA 12), the tiles run on wgmma_ws_kernel below instead: the
- * same products, the loads issued by a producer warpgroup of their own, items handed to the blocks in
- * the order they ask for them (NOTES.md v14 A, v15), an expert's last few rows folded into its last
- * whole tile (v23), and an epilogue of 64-column rounds with 16-byte stores. wgmma_kernel remains for CUDA
- * 11.8 builds and drivers without the map encoder (and COLIBRI_CUDA_NO_WS=1, which the harness uses).
+ * wgmma.cuh — the 128-token expert tiles on Hopper (sm_90a): warpgroup MMA from shared memory.
+ * Included by experts.cu; used in place of mma_kernel where colibri_cuda_experts_setup found the
+ * sm_90a image (mma.sync tops out near 290 TFLOP/s there: its operands go through registers).
+ * wgmma_ws_kernel (CUDA 12 tensor maps): a producer warpgroup issues TMA/cp.async loads into a 4-slot
+ * ring, two consumer warpgroups run m64n256k16 products and the epilogue; optional cluster multicast,
+ * folded tiles and chained projections. wgmma_kernel: the same products with every thread loading,
+ * for CUDA 11.8 and drivers without the map encoder. docs/cuda-design.md explains both.
  */
 
 /* wgmma_ws_kernel (below) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
