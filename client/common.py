@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if (REPO_ROOT / "backend_src" / "colibri").is_dir():  # run from a checkout: its package, built or not
-    sys.path.insert(0, str(REPO_ROOT / "backend_src"))
+# colibri comes from the environment (make venv installs the checkout's package; elsewhere PYTHONPATH).
+from colibri import checkpoint, reference
+from colibri.dtypes import bf16_to_float32, float32_to_bf16
+from colibri.testing import error_limit
 
-from colibri import checkpoint, reference  # noqa: E402  (path set above)
-from colibri.dtypes import bf16_to_float32, float32_to_bf16  # noqa: E402
-from colibri.testing import error_limit  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 MODEL = "colibri_moe"
 DEFAULT_WEIGHTS = REPO_ROOT / "model_repository" / MODEL / "1" / "weights.colibri.safetensors"

@@ -135,6 +135,8 @@ def parse_args(argv):
     p.add_argument("--step-time", type=float, default=float(env("LOADTEST_STEP_TIME", "15")))
     p.add_argument("--processes", type=int, default=int(env("LOADTEST_PROCESSES", "0")),
                    help="Locust worker processes (gevent in each); 0: one process")
+    p.add_argument("--hidden", type=int, default=0, help="H, when the model's config does not give it")
+    p.add_argument("--quiet", action="store_true", help="Locust's own output only on failure")
     p.add_argument("--rate", type=float, default=float(env("LOADTEST_RATE", "0")),
                    help="requests per second per user: a fixed offered load (0: closed loop)")
     p.add_argument("--out", type=Path, default=Path(env("LOADTEST_OUT", "runs/loadtest")))
@@ -161,7 +163,7 @@ def main(argv=None) -> int:
     summary = run_load(args.out.resolve(), host=args.host, grpc_url=args.grpc_url, model=args.model,
                        users=args.users, run_time=args.time, mix=args.mix, protocols=protocols,
                        prefill_tokens=args.prefill_tokens, steps=args.steps, step_time=args.step_time,
-                       processes=args.processes, rate=args.rate)
+                       processes=args.processes, rate=args.rate, hidden=args.hidden, quiet=args.quiet)
     grpc = f" (gRPC {summary['grpc_url']})" if summary.get("grpc_url") else ""
     print(f"\nloadtest: {args.model} at {args.host}{grpc}, mix {args.mix}, "
           + (f"users stepped {args.steps} ({args.step_time:.0f} s each)" if args.steps else

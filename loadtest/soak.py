@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.testing.server import serving  # the serving tests' launcher: free ports, always stopped
+
+import run as load_run  # beside this file (a script's folder is on its path)
+
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-import run as load_run  # noqa: E402  (beside this file)
-from triton_server import serving  # noqa: E402  (the serving tests' launcher: free ports, always stopped)
 
 
 def rss_mib(pid: int) -> float:

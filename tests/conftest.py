@@ -48,6 +48,6 @@ def serving_weights(tmp_path_factory):
 def colibri_server(serving_weights, tmp_path_factory):
     """One real tritonserver serving colibri_moe for the whole session (tests/triton_server.py),
     shared by the serving tests and the load-test smoke so the suite starts it once."""
-    from triton_server import serving
+    from colibri.testing.server import serving
     with serving(serving_weights, tmp_path_factory.mktemp("logs")) as running:
         yield running

@@ -61,7 +61,7 @@ def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, m
     from colibri import checkpoint
     from colibri import layer as layer_module
     from colibri.dtypes import float32_to_bf16
-    from fake_backend import load_model, request
+    from colibri.testing.fake_backend import load_model, request
     from test_model_py import check_answers, mixed_batch
 
     blocked = []

@@ -30,7 +30,7 @@ from tritonclient.utils import InferenceServerException
 
 import colibri
 from colibri import checkpoint, serve, watchdog
-from triton_server import REPO_ROOT, missing_reason, serving
+from colibri.testing.server import REPO_ROOT, missing_reason, serving
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 

@@ -1,14 +1,14 @@
 """bench/gpu_report.py on saved runs (no GPU): DESIGN.md's target per row, the met count, the plot."""
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from colibri.testing import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_report  # noqa: E402
+gpu_report = load_script(ROOT / "bench" / "gpu_report.py")
 
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 

@@ -12,14 +12,15 @@ import sys
 import numpy as np
 import pytest
 
-from triton_server import REPO_ROOT, import_compare, missing_reason
+from colibri.testing import load_script
+from colibri.testing.server import REPO_ROOT, missing_reason
 
 needs_server = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
 RUN = REPO_ROOT / "loadtest" / "run.py"
-sys.path.insert(0, str(REPO_ROOT / "loadtest"))
-import run as load_run  # noqa: E402  (not locustfile: importing Locust patches the standard library)
-import summary as load_summary  # noqa: E402
+# Loaded by path (not locustfile: importing Locust patches the standard library).
+load_summary = load_script(REPO_ROOT / "loadtest" / "summary.py")
+load_run = load_script(REPO_ROOT / "loadtest" / "run.py")
 STEPS = (2, 6)  # users; the first step holds one user of each protocol
 STEP_SECONDS = 6
 
@@ -131,7 +132,7 @@ def test_bad_rate_is_refused(tmp_path):
 def test_sweep_picks_the_highest_throughput_within_the_budget():
     """bench/serving/compare.py's sweep: per user count, the budget profile's P99 and the throughput of
     all profiles; a level over budget or with failures is not eligible even when it is faster."""
-    compare = import_compare()
+    compare = load_script(REPO_ROOT / "bench" / "serving" / "compare.py")
 
     def row(users, profile, rps, tokens, p99, failures=0):
         return {"users": users, "protocol": "grpc", "profile": profile, "throughput_rps": rps,
@@ -299,12 +300,8 @@ def test_bf16_goes_through_tritonclients_public_api(rng):
 
 
 def gpu_usable():
-    sys.path.insert(0, str(REPO_ROOT / "client"))
-    try:
-        import cuda_shm_client
-    finally:
-        sys.path.pop(0)
-    return cuda_shm_client.gpu_problem(0) is None
+    load_script(REPO_ROOT / "client" / "common.py")
+    return load_script(REPO_ROOT / "client" / "cuda_shm_client.py").gpu_problem(0) is None
 
 
 @pytest.mark.skipif("gpu_usable()", reason="a GPU, cupy and cuda-python are here: the clients run for real")

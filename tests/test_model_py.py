@@ -1,4 +1,4 @@
-"""model.py's execute in this process, on exact batches (tests/fake_backend.py stands in for Triton's
+"""model.py's execute in this process, on exact batches (colibri.testing.fake_backend stands in for Triton's
 Python backend): requests whose hidden states hold a NaN or an Inf are refused one by one, naming the
 row within the request, and the others of the same batch are computed together, exactly as alone.
 The same on a GPU instance with GPU tensors (as CUDA shared memory gives them) is in test_cuda.py."""
@@ -11,8 +11,8 @@ import pytest
 import colibri
 from colibri import checkpoint
 from colibri.testing import relative_error
-import fake_backend
-from fake_backend import load_model, request
+from colibri.testing import fake_backend
+from colibri.testing.fake_backend import load_model, request
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_serving_path_never_imports_torch(weights, tmp_path):
     script = tmp_path / "no_torch.py"
     script.write_text(_NO_TORCH + f'''
 import numpy as np
-import fake_backend
+from colibri.testing import fake_backend
 class Patch:
     def setitem(self, mapping, key, value): mapping[key] = value
     def setenv(self, name, value): __import__("os").environ[name] = value
@@ -171,12 +171,9 @@ responses = model.execute([fake_backend.request(hidden_states=x), fake_backend.r
 assert all(r.error is None for r in responses), [r.error.message for r in responses if r.error]
 print("tried:", NoTorch.tried)
 ''')
-    import os
     import subprocess
     import sys
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "tried: []" in result.stdout, result.stdout
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import fake_backend
+from colibri.testing import fake_backend
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "backend_src" / "colibri"

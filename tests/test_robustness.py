@@ -24,7 +24,6 @@ import json
 import os
 import socket
 import struct
-import sys
 import threading
 import time
 import urllib.error
@@ -40,10 +39,10 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 import colibri
 from colibri.testing import error_limit
-from triton_server import REPO_ROOT, missing_reason, serving
+from colibri.testing import load_script
+from colibri.testing.server import REPO_ROOT, missing_reason, serving
 
-sys.path.insert(0, str(REPO_ROOT / "client"))
-import common  # noqa: E402  (the clients' reference check, shared)
+common = load_script(REPO_ROOT / "client" / "common.py")  # the clients' reference check, shared
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 

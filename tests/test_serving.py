@@ -17,10 +17,10 @@ from tritonclient.utils import InferenceServerException
 import colibri
 from colibri import reference, serve
 from colibri.testing import error_limit
-from triton_server import REPO_ROOT, import_compare, missing_reason, serving
+from colibri.testing import load_script
+from colibri.testing.server import REPO_ROOT, missing_reason, serving
 
-sys.path.insert(0, str(REPO_ROOT / "client"))
-import common  # noqa: E402  (the clients' reference check, shared)
+common = load_script(REPO_ROOT / "client" / "common.py")  # the clients' reference check, shared
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
@@ -327,7 +327,7 @@ def test_cuda_pool_option_per_visible_gpu(monkeypatch):
 
 def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rng):
     """bench/serving/compare.py's per-run server figures, against this real tritonserver."""
-    compare = import_compare()
+    compare = load_script(REPO_ROOT / "bench" / "serving" / "compare.py")
     host = f"http://{server.http_url}"
     before = compare.model_stats(host, MODEL, server.metrics_url)
     for tokens in (3, 5):

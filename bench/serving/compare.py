@@ -38,11 +38,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO_ROOT / "loadtest"))
-import run as loadtest  # noqa: E402  (loadtest/run.py)
+from colibri import checkpoint, serve
 
-from colibri import checkpoint, serve  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOADTEST = REPO_ROOT / "loadtest" / "run.py"
 
 BASELINES = REPO_ROOT / "bench" / "serving" / "model_repository"
 MODELS = ("identity", "torch_moe", "colibri_moe")
@@ -123,6 +122,19 @@ class Server:
                 self.launcher.kill()
                 self.launcher.wait()
         self.log.close()
+
+
+def run_load(out: Path, **options) -> dict:
+    """One run of loadtest/run.py, through its command line (the load test's interface; Locust patches
+    the standard library of whatever imports it), into `out`; its summary.json."""
+    command = [sys.executable, str(LOADTEST), "--out", str(out), "--quiet"]
+    for name, value in options.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    summary_path = out / "summary.json"
+    if result.returncode not in (0, 1) or not summary_path.exists():  # 1: the run had failed requests
+        raise RuntimeError(f"loadtest/run.py exited {result.returncode}:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return json.loads(summary_path.read_text())
 
 
 def compare(runs):
@@ -373,11 +385,11 @@ def main(argv=None) -> int:
             def load(folder, model, mix, protocol, rate=0.0, steps=""):
                 started = time.monotonic()
                 before = model_stats(server.host, model, server.metrics_url)
-                summary = loadtest.run_load(
+                summary = run_load(
                     args.out / folder, host=server.host, grpc_url=server.grpc_url, model=model, users=args.users,
-                    run_time=args.time, mix=mix, protocols=[protocol], prefill_tokens=args.prefill_tokens,
+                    time=args.time, mix=mix, protocols=protocol, prefill_tokens=args.prefill_tokens,
                     hidden=config.hidden_size, processes=args.processes, rate=rate, steps=steps,
-                    step_time=args.step_time, quiet=True)
+                    step_time=args.step_time)
                 server_runs.append({"run": folder, "model": model,
                                     **server_side(before, model_stats(server.host, model, server.metrics_url))})
                 t = summary["total"]

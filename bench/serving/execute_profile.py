@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "backend_src"), str(Path(__file__).parent)]
+from colibri.testing import fake_backend
+from compare import write_demo  # beside this file (a script's folder is on its path)
 
-import fake_backend  # noqa: E402  (after the path)
-from compare import write_demo  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODELS = {"colibri_moe": ROOT / "model_repository" / "colibri_moe" / "1" / "model.py",
           "torch_moe": ROOT / "bench" / "serving" / "model_repository" / "torch_moe" / "1" / "model.py"}

@@ -100,3 +100,24 @@ def routed_reference(config, experts, x64, router, router_bias, library_ids):
         ids = np.where(near[:, None], library_ids, ids)
     weights = reference.routing_weights(config, logits, ids)
     return reference.moe_forward(config, experts, x64, ids, weights), ids, weights, near
+
+
+def load_script(path, name=None):
+    """A Python file that lives outside any package (a client, a load-test or benchmark script) as a
+    module, loaded by its path: tests reach the code they test without putting folders on sys.path.
+    Registered in sys.modules under `name` (default: the file's stem), so its siblings' imports of it
+    find it."""
+    import importlib.util
+    import pathlib
+    import sys
+    path = pathlib.Path(path)
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module

@@ -1,5 +1,5 @@
-"""A real tritonserver for the serving tests, started the way users start it (`python -m colibri
-serve`) on free ports, and always stopped."""
+"""A real tritonserver for the serving tests and load tools, started the way users start it
+(`python -m colibri serve`) on free ports, and always stopped. Needs a checkout (the model repository)."""
 import contextlib
 import json
 import os
@@ -11,19 +11,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from colibri.serve import REPO_ROOT  # noqa: E402  (the checkout this package runs from)
+
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
-
-
-def import_compare():
-    """bench/serving/compare.py as a module (it lives outside any package)."""
-    sys.path.insert(0, str(REPO_ROOT / "bench" / "serving"))
-    try:
-        import compare
-    finally:
-        sys.path.pop(0)
-    return compare
 
 
 def missing_reason():
