@@ -1,6 +1,6 @@
 """Targets, a summary and a plot of a bench_gpu.py run (its --json file); needs no GPU.
 
-    python3 bench/gpu_report.py bench/gpu_h200_v12.json [--plot bench/gpu_h200_v12.png]
+    python3 bench/gpu_report.py bench/results/gpu_h200.json [--plot gpu_h200.png]
 
 Prints each row's fraction of the floor beside the target DESIGN.md sets for it ("Targets for
 Colibri") and how many rows meet theirs. A fraction meets its target when its value rounded to two
