@@ -52,7 +52,7 @@ step build "the cffi extension" python3 backend_src/colibri/_ffi_build.py --lib 
 weights="$work/layer.colibri.safetensors"
 IFS=, read -r E k H F <<< "$shape"
 step build "a bf16 checkpoint $shape" python3 -c "
-import sys; sys.path.insert(0, 'bench/serving'); from pathlib import Path; import compare
+from pathlib import Path; from colibri.testing import load_script; compare = load_script('bench/serving/compare.py')
 compare.write_demo(Path('$weights'), $E, $k, $H, $F, 'bf16')"
 
 serve() {  # serve LOG ARGS...: starts `colibri serve` without torch on its path; pid in $server
