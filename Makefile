@@ -35,7 +35,7 @@ NVCC_GENCODE := $(foreach a,$(CUDA_ARCH),-gencode=arch=compute_$(a),code=sm_$(a)
                 $(if $(and $(filter 90,$(CUDA_ARCH)),$(filter-out 9 10 11,$(NVCC_MAJOR))),-gencode=arch=compute_90a$(comma)code=sm_90a)
 NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr $(NVCC_GENCODE)
 
-C_SRCS      := csrc/src/colibri.c $(wildcard csrc/src/cpu/*.c)
+C_SRCS      := $(filter-out csrc/src/cuda_stub.c,$(wildcard csrc/src/*.c)) $(wildcard csrc/src/cpu/*.c)
 C_OBJS      := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(C_SRCS))
 ifeq ($(CUDA)$(if $(CUDA_SRCS),y,n),1y)
   BACKEND_OBJS := $(patsubst csrc/%.cu,$(BUILD)/obj/%.o,$(CUDA_SRCS))

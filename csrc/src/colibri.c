@@ -1,67 +1,13 @@
 /*
- * colibri.c — the front end of the library: status strings, the per-thread error message, validation
- * of everything the caller hands in, and dispatch to the CPU or CUDA backend. Forward is split here
- * into chunks of at most workspace_tokens tokens so backends never allocate per call.
+ * colibri.c — the front end of the library: validation of everything the caller hands in, and
+ * dispatch to the context's backend (its colibri_backend_t). Forward is split here into chunks of at
+ * most workspace_tokens tokens so backends never allocate per call.
  */
 #include <math.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
-
-#if defined(__GNUC__) || defined(__clang__)
-#define COLIBRI_THREAD_LOCAL __thread
-#else
-#define COLIBRI_THREAD_LOCAL _Thread_local
-#endif
-
-static COLIBRI_THREAD_LOCAL char last_error[512];
-
-colibri_status_t colibri_set_error(colibri_status_t status, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
-    va_end(ap);
-    return status;
-}
-
-const char *colibri_last_error(void) { return last_error; }
-
-const char *colibri_version(void) { return COLIBRI_VERSION_STRING; }
-
-const char *colibri_status_string(colibri_status_t status) {
-    switch (status) {
-    case COLIBRI_OK: return "ok";
-    case COLIBRI_ERR_INVALID_ARGUMENT: return "invalid argument";
-    case COLIBRI_ERR_OUT_OF_MEMORY: return "out of memory";
-    case COLIBRI_ERR_UNSUPPORTED: return "unsupported";
-    case COLIBRI_ERR_CUDA: return "CUDA error";
-    case COLIBRI_ERR_ROUTING: return "routing error";
-    case COLIBRI_ERR_INTERNAL: return "internal error";
-    }
-    return "unknown status";
-}
-
-size_t colibri_dtype_size(colibri_dtype_t dtype) {
-    switch (dtype) {
-    case COLIBRI_DTYPE_F32: return 4;
-    case COLIBRI_DTYPE_F16: return 2;
-    case COLIBRI_DTYPE_BF16: return 2;
-    }
-    return 0;
-}
-
-uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size) {
-    if (hidden_size < 1 || intermediate_size < 1) return 0;
-    uint64_t hf = (uint64_t)hidden_size * (uint64_t)intermediate_size;
-    switch (kind) {
-    case COLIBRI_EXPERT_SWIGLU: return 3 * hf;
-    case COLIBRI_EXPERT_LINEAR: return hf;
-    }
-    return 0;
-}
 
 int32_t colibri_cuda_built(void) { return colibri_cuda_built_impl(); }
 int32_t colibri_cuda_device_count(void) { return colibri_cuda_device_count_impl(); }
@@ -163,32 +109,14 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
         }
     }
 
-    st = config->device == COLIBRI_DEVICE_CPU ? colibri_cpu_init(ctx, expert_weights, expert_offsets)
-                                              : colibri_cuda_init(ctx, expert_weights, expert_offsets);
+    ctx->ops = config->device == COLIBRI_DEVICE_CPU ? &colibri_cpu_backend : &colibri_cuda_backend;
+    st = ctx->ops->init(ctx, expert_weights, expert_offsets);
     if (st != COLIBRI_OK) { free_context(ctx); return st; }
     if (ctx->cfg.workspace_tokens < 1) {
         colibri_moe_context_destroy(ctx);
         return colibri_set_error(COLIBRI_ERR_INTERNAL, "backend left workspace_tokens unset");
     }
     *out_ctx = ctx;
-    return COLIBRI_OK;
-}
-
-colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t num_tokens, const int32_t *topk_ids,
-                                       const float *topk_weights, const char *who) {
-    const int64_t n = num_tokens * ctx->cfg.top_k;
-    for (int64_t i = 0; i < n; i++) {
-        int32_t id = topk_ids[i];
-        if (id < 0 || id >= ctx->cfg.num_experts)
-            return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT,
-                                     "%s topk_ids[%lld, %lld] = %d is out of range [0, %d)", who,
-                                     (long long)(i / ctx->cfg.top_k), (long long)(i % ctx->cfg.top_k), id,
-                                     ctx->cfg.num_experts);
-        if (!isfinite(topk_weights[i]))
-            return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "%s topk_weights[%lld, %lld] is not finite (%g)",
-                                     who, (long long)(i / ctx->cfg.top_k), (long long)(i % ctx->cfg.top_k),
-                                     (double)topk_weights[i]);
-    }
     return COLIBRI_OK;
 }
 
@@ -209,8 +137,7 @@ colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tok
     if (!topk_ids && !ctx->router_weight && !ctx->cfg.routing_fn)
         return colibri_set_error(bad, "no routing: the context has no router weights and no routing_fn, so "
                                       "topk_ids and topk_weights must be given");
-    const int on_cpu = ctx->cfg.device == COLIBRI_DEVICE_CPU;
-    if (on_cpu && topk_ids) {
+    if (ctx->ops->host_memory && topk_ids) {
         colibri_status_t st = colibri_check_routing(ctx, num_tokens, topk_ids, topk_weights, "input");
         if (st != COLIBRI_OK) return st;
     }
@@ -223,8 +150,7 @@ colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tok
         char *out = (char *)output + (size_t)t0 * out_row;
         const int32_t *ids = topk_ids ? topk_ids + t0 * k : NULL;
         const float *wts = topk_weights ? topk_weights + t0 * k : NULL;
-        colibri_status_t st = on_cpu ? colibri_cpu_forward(ctx, n, act_dtype, in, ids, wts, out)
-                                     : colibri_cuda_forward(ctx, n, act_dtype, in, ids, wts, out, stream);
+        colibri_status_t st = ctx->ops->forward(ctx, n, act_dtype, in, ids, wts, out, stream);
         if (st != COLIBRI_OK) return st;
     }
     return COLIBRI_OK;
@@ -247,10 +173,7 @@ colibri_status_t colibri_moe_route(colibri_moe_context_t *ctx, int64_t num_token
     for (int64_t t0 = 0; t0 < num_tokens; t0 += chunk) {
         const int64_t n = num_tokens - t0 < chunk ? num_tokens - t0 : chunk;
         const char *in = (const char *)input + (size_t)t0 * in_row;
-        colibri_status_t st =
-            ctx->cfg.device == COLIBRI_DEVICE_CPU
-                ? colibri_cpu_route(ctx, n, act_dtype, in, topk_ids + t0 * k, topk_weights + t0 * k)
-                : colibri_cuda_route(ctx, n, act_dtype, in, topk_ids + t0 * k, topk_weights + t0 * k, stream);
+        colibri_status_t st = ctx->ops->route(ctx, n, act_dtype, in, topk_ids + t0 * k, topk_weights + t0 * k, stream);
         if (st != COLIBRI_OK) return st;
     }
     return COLIBRI_OK;
@@ -260,18 +183,16 @@ colibri_status_t colibri_moe_context_expert_counts(colibri_moe_context_t *ctx, u
     if (!ctx) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "ctx is NULL");
     if (!counts) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "counts is NULL");
     if (reset != 0 && reset != 1) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "reset must be 0 or 1");
-    return ctx->cfg.device == COLIBRI_DEVICE_CPU ? colibri_cpu_expert_counts(ctx, counts, reset)
-                                                 : colibri_cuda_expert_counts(ctx, counts, reset);
+    return ctx->ops->expert_counts(ctx, counts, reset);
 }
 
 colibri_status_t colibri_moe_context_take_device_error(colibri_moe_context_t *ctx) {
     if (!ctx) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "ctx is NULL");
-    return ctx->cfg.device == COLIBRI_DEVICE_CUDA ? colibri_cuda_take_device_error(ctx) : COLIBRI_OK;
+    return ctx->ops->take_device_error(ctx);
 }
 
 void colibri_moe_context_destroy(colibri_moe_context_t *ctx) {
     if (!ctx) return;
-    if (ctx->cfg.device == COLIBRI_DEVICE_CPU) colibri_cpu_destroy(ctx);
-    else colibri_cuda_destroy(ctx);
+    ctx->ops->destroy(ctx);
     free_context(ctx);
 }

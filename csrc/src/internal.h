@@ -1,6 +1,6 @@
 /*
  * internal.h — what the front end (colibri.c) and the backends (cpu/, cuda/) share: the context
- * struct, the error helpers and the backend entry points. Not installed; not part of the API.
+ * struct, the helpers of common.c and the backend interface. Not installed; not part of the API.
  *
  * The front end validates everything that can be checked on the host (config, pointers, sizes,
  * and on the CPU the routing ids and weights), copies the router to fp32, and splits a forward into
@@ -22,6 +22,7 @@ struct colibri_moe_context {
     int32_t out_features;          /* H for SWIGLU, F for LINEAR */
     float *router_weight;          /* [E, H] fp32 host copy, or NULL */
     float *router_bias;            /* [E] fp32 host copy, or NULL */
+    const struct colibri_backend *ops; /* the backend this context runs on */
     void *backend;                 /* backend-owned state */
 };
 
@@ -37,28 +38,26 @@ colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t
                                        const int32_t *topk_ids, const float *topk_weights,
                                        const char *who);
 
-/* Backends. init sets ctx->backend and, if it was 0, ctx->cfg.workspace_tokens. */
-colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert_weights,
-                                  const uint64_t *expert_offsets);
-colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens,
-                                     colibri_dtype_t act_dtype, const void *input,
-                                     const int32_t *topk_ids, const float *topk_weights, void *output);
-colibri_status_t colibri_cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
-                                   const void *input, int32_t *topk_ids, float *topk_weights);
-colibri_status_t colibri_cpu_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset);
-void colibri_cpu_destroy(colibri_moe_context_t *ctx);
+/* A backend: the operations the front end dispatches to, one table per backend (cpu/moe_cpu.c;
+ * cuda/context.cu, or cuda_stub.c in a build without nvcc). init sets ctx->backend and, if it was 0,
+ * ctx->cfg.workspace_tokens. */
+typedef struct colibri_backend {
+    const char *name;
+    int host_memory;  /* 1: its pointers are host memory, so the front end checks given routing first */
+    colibri_status_t (*init)(colibri_moe_context_t *ctx, const void *expert_weights, const uint64_t *expert_offsets);
+    colibri_status_t (*forward)(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                const void *input, const int32_t *topk_ids, const float *topk_weights,
+                                void *output, void *stream);
+    colibri_status_t (*route)(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                              const void *input, int32_t *topk_ids, float *topk_weights, void *stream);
+    colibri_status_t (*expert_counts)(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset);
+    colibri_status_t (*take_device_error)(colibri_moe_context_t *ctx);
+    void (*destroy)(colibri_moe_context_t *ctx);
+} colibri_backend_t;
 
-colibri_status_t colibri_cuda_init(colibri_moe_context_t *ctx, const void *expert_weights,
-                                   const uint64_t *expert_offsets);
-colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_tokens,
-                                      colibri_dtype_t act_dtype, const void *input,
-                                      const int32_t *topk_ids, const float *topk_weights,
-                                      void *output, void *stream);
-colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
-                                    const void *input, int32_t *topk_ids, float *topk_weights, void *stream);
-colibri_status_t colibri_cuda_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset);
-colibri_status_t colibri_cuda_take_device_error(colibri_moe_context_t *ctx);
-void colibri_cuda_destroy(colibri_moe_context_t *ctx);
+extern const colibri_backend_t colibri_cpu_backend;
+extern const colibri_backend_t colibri_cuda_backend;
+
 int32_t colibri_cuda_built_impl(void);
 int32_t colibri_cuda_device_count_impl(void);
 

@@ -829,9 +829,10 @@ static void combine(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T,
  * backend entry points
  * ------------------------------------------------------------------------------------------------- */
 
-colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
-                                     const void *input, const int32_t *topk_ids, const float *topk_weights,
-                                     void *output) {
+static colibri_status_t cpu_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                    const void *input, const int32_t *topk_ids, const float *topk_weights,
+                                    void *output, void *stream) {
+    (void)stream;
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
     s->bf16_dot = HAVE_BF16_DOT && ctx->cfg.weight_dtype == COLIBRI_DTYPE_BF16 && act_dtype == COLIBRI_DTYPE_BF16;
     convert_input(ctx, s, num_tokens, act_dtype, input);
@@ -847,22 +848,29 @@ colibri_status_t colibri_cpu_forward(colibri_moe_context_t *ctx, int64_t num_tok
     return COLIBRI_OK;
 }
 
-colibri_status_t colibri_cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
-                                   const void *input, int32_t *topk_ids, float *topk_weights) {
+static colibri_status_t cpu_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
+                                  const void *input, int32_t *topk_ids, float *topk_weights, void *stream) {
+    (void)stream;
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
     s->bf16_dot = 0;
     convert_input(ctx, s, num_tokens, act_dtype, input);
     return compute_routing(ctx, s, num_tokens, act_dtype, input, topk_ids, topk_weights);
 }
 
-colibri_status_t colibri_cpu_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset) {
+static colibri_status_t cpu_expert_counts(colibri_moe_context_t *ctx, uint64_t *counts, int32_t reset) {
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
     memcpy(counts, s->counts, (size_t)ctx->cfg.num_experts * sizeof *counts);
     if (reset) memset(s->counts, 0, (size_t)ctx->cfg.num_experts * sizeof *s->counts);
     return COLIBRI_OK;
 }
 
-void colibri_cpu_destroy(colibri_moe_context_t *ctx) {
+/* The CPU reports ids out of range from forward itself: nothing is deferred. */
+static colibri_status_t cpu_take_device_error(colibri_moe_context_t *ctx) {
+    (void)ctx;
+    return COLIBRI_OK;
+}
+
+static void cpu_destroy(colibri_moe_context_t *ctx) {
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
     if (!s) return;
     free(s->offsets);
@@ -907,8 +915,8 @@ static void *alloc_zeroed(int64_t a, int64_t b, size_t size, int *failed) {
     return p;
 }
 
-colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert_weights,
-                                  const uint64_t *expert_offsets) {
+static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_weights,
+                                 const uint64_t *expert_offsets) {
     colibri_moe_config_t *cfg = &ctx->cfg;
     cpu_state_t *s = (cpu_state_t *)calloc(1, sizeof *s);
     if (!s) return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the CPU backend state");
@@ -951,7 +959,7 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     s->tile = alloc_zeroed((int64_t)s->nthreads * P, 2 * ROW_BLOCK, sizeof(float), &failed);
     s->route_scratch = alloc_zeroed(s->nthreads, 2 * E + k, sizeof(float), &failed);
     if (failed || P > INT32_MAX) {
-        colibri_cpu_destroy(ctx);
+        cpu_destroy(ctx);
         return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY,
                                  "cannot allocate the CPU workspace for %lld tokens (H=%lld, F=%lld, k=%lld); "
                                  "lower config.workspace_tokens",
@@ -961,3 +969,7 @@ colibri_status_t colibri_cpu_init(colibri_moe_context_t *ctx, const void *expert
     for (int64_t t = 0; t < W; t++) s->token_rows[t] = s->x32 + t * s->hp;
     return COLIBRI_OK;
 }
+
+const colibri_backend_t colibri_cpu_backend = {
+    "cpu", 1, cpu_init, cpu_forward, cpu_route, cpu_expert_counts, cpu_take_device_error, cpu_destroy,
+};

@@ -244,6 +244,11 @@ void colibri_cuda_destroy(colibri_moe_context_t *ctx) {
     ctx->backend = NULL;
 }
 
+const colibri_backend_t colibri_cuda_backend = {
+    "cuda", 0, colibri_cuda_init, colibri_cuda_forward, colibri_cuda_route, colibri_cuda_expert_counts,
+    colibri_cuda_take_device_error, colibri_cuda_destroy,
+};
+
 int32_t colibri_cuda_built_impl(void) { return 1; }
 
 int32_t colibri_cuda_device_count_impl(void) {

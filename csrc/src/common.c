@@ -1,0 +1,79 @@
+/*
+ * common.c — what the front end and every backend share: status strings, the per-thread error
+ * message, dtype sizes, and the host-side check of given routing. Depends on nothing else here.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "internal.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define COLIBRI_THREAD_LOCAL __thread
+#else
+#define COLIBRI_THREAD_LOCAL _Thread_local
+#endif
+
+static COLIBRI_THREAD_LOCAL char last_error[512];
+
+colibri_status_t colibri_set_error(colibri_status_t status, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+const char *colibri_last_error(void) { return last_error; }
+
+const char *colibri_version(void) { return COLIBRI_VERSION_STRING; }
+
+const char *colibri_status_string(colibri_status_t status) {
+    switch (status) {
+    case COLIBRI_OK: return "ok";
+    case COLIBRI_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case COLIBRI_ERR_OUT_OF_MEMORY: return "out of memory";
+    case COLIBRI_ERR_UNSUPPORTED: return "unsupported";
+    case COLIBRI_ERR_CUDA: return "CUDA error";
+    case COLIBRI_ERR_ROUTING: return "routing error";
+    case COLIBRI_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+size_t colibri_dtype_size(colibri_dtype_t dtype) {
+    switch (dtype) {
+    case COLIBRI_DTYPE_F32: return 4;
+    case COLIBRI_DTYPE_F16: return 2;
+    case COLIBRI_DTYPE_BF16: return 2;
+    }
+    return 0;
+}
+
+uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size) {
+    if (hidden_size < 1 || intermediate_size < 1) return 0;
+    uint64_t hf = (uint64_t)hidden_size * (uint64_t)intermediate_size;
+    switch (kind) {
+    case COLIBRI_EXPERT_SWIGLU: return 3 * hf;
+    case COLIBRI_EXPERT_LINEAR: return hf;
+    }
+    return 0;
+}
+
+colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t num_tokens, const int32_t *topk_ids,
+                                       const float *topk_weights, const char *who) {
+    const int64_t n = num_tokens * ctx->cfg.top_k;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t id = topk_ids[i];
+        if (id < 0 || id >= ctx->cfg.num_experts)
+            return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT,
+                                     "%s topk_ids[%lld, %lld] = %d is out of range [0, %d)", who,
+                                     (long long)(i / ctx->cfg.top_k), (long long)(i % ctx->cfg.top_k), id,
+                                     ctx->cfg.num_experts);
+        if (!isfinite(topk_weights[i]))
+            return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "%s topk_weights[%lld, %lld] is not finite (%g)",
+                                     who, (long long)(i / ctx->cfg.top_k), (long long)(i % ctx->cfg.top_k),
+                                     (double)topk_weights[i]);
+    }
+    return COLIBRI_OK;
+}
