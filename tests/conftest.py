@@ -46,7 +46,7 @@ def serving_weights(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def colibri_server(serving_weights, tmp_path_factory):
-    """One real tritonserver serving colibri_moe for the whole session (tests/triton_server.py),
+    """One real tritonserver serving colibri_moe for the whole session (colibri.testing.server),
     shared by the serving tests and the load-test smoke so the suite starts it once."""
     from colibri.testing.server import serving
     with serving(serving_weights, tmp_path_factory.mktemp("logs")) as running:

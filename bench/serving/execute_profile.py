@@ -1,5 +1,5 @@
 """Where a batch's time goes inside model.py, without Triton: colibri_moe's and torch_moe's execute()
-run in this process (tests/fake_backend.py stands in for triton_python_backend_utils) on the same
+run in this process (colibri.testing.fake_backend stands in for triton_python_backend_utils) on the same
 batches of requests whose inputs are already on the GPU, as CUDA shared memory hands them over.
 
 For each model it prints the median wall time of one execute() (until its outputs are ready on the
