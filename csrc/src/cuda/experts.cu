@@ -1,23 +1,11 @@
 /*
  * experts.cu — the expert FFNs over tokens grouped by expert (permute.cu's tile table).
  *
- * Two paths, chosen per forward (colibri_cuda_experts_tile_m):
- *  - at most 8 assignments (decode of a token or two), fp32 weights, or rows that are not 16-byte
- *    multiples: gemv.cuh, which streams each touched expert's weights once, SWIGLU's gate and up rows in
- *    the same pass; with few assignments it finds each block's expert in the ids itself (no permute);
- *  - otherwise (16-bit weights): a tensor-core GEMM, mma.sync m16n8k16 (sm_80 and sm_90), BM x BN x BK
- *    tiles, a 3- or 4-stage cp.async pipeline into XOR-swizzled shared memory, ldmatrix fragments.
- *    BK is 64 (128 contiguous bytes of each weight row per load) for the memory-bound tiles where
- *    three stages of it still fit twice per SM, 128 for tiles of 16 rows and of 32 rows of long weight
- *    rows (K >= 4096) where the device has the shared memory, else 32 (see mma_bk). BN is 128, or 64
- *    for 16-row tiles whose grid fills the GPU's last wave better that way (mma_narrow). Token rows are gathered
- *    through perm in the loads (no gathered copy of x); for SWIGLU one block computes the gate and
- *    the up tile of the same columns and writes silu(g) * u in the epilogue. BM follows the tokens
- *    per expert so that a tile's weights are read once per expert at moderate T. Tiles of 128 rows
- *    run on wgmma (wgmma.cuh) where the device runs the sm_90a image.
- * Both write inter [T*k, F] and y [T*k, O] in the weight dtype, rows in sorted-position order (the
- * gemv's direct mode: in assignment order t*k+j), except where direct mode's SWIGLU down projection
- * sums the top-k into the output itself (gemv_combine_kernel: at most 8 assignments).
+ * colibri_cuda_experts_tile_m picks the path per forward: the gemv (gemv.cuh) for at most 8 assignments,
+ * fp32 weights or rows that are not 16-byte multiples; else mma_kernel (mma.sync tiles of 16-64 rows,
+ * here) or, for 128-row tiles on sm_90a, wgmma (wgmma.cuh). Also the launchers (project,
+ * project_combine) and the L2 prefetch beside the router. Outputs: inter [T*k, F] and y [T*k, O] in the
+ * weight dtype, rows in sorted order (direct mode: assignment order). See docs/cuda-design.md.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -56,11 +44,11 @@ template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_
  * follows a k step later, by which time HBM has long closed the page: the memory-bound tiles (up to 64
  * rows) streamed weights at about half of copy bandwidth. BK=64 doubles each run, where three stages
  * of it still let two blocks share an SM (the bytes in flight per SM stay about the same): 1.6-1.7x
- * at T=64 on the H200 (NOTES.md, v3). The GLU tiles of 64 rows keep BK=32 rather than drop to one
+ * at T=64 on an H200. The GLU tiles of 64 rows keep BK=32 rather than drop to one
  * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
  * measured 2-7% slower there.
  * LONG: the tiles of up to 32 rows take BK=128, 256-byte runs, even where three stages of it leave one
- * block per SM (the bytes in flight stay the same). Measured on the H200 (NOTES.md, v10): Mixtral T=16
+ * block per SM (the bytes in flight stay the same). Measured on an H200: Mixtral T=16
  * and T=64 (K = 4096 and 14336; 16- and 32-row tiles) 1.06-1.09x, the fine-grained experts' 16-row
  * tiles (K = 1408-2048, T=16 and 64) 1.00-1.05x, but their 32-row tiles (T=256) 0.97-1.00x and their
  * 16-row tiles of a short grid (Qwen T=4) 0.95x: the launch asks for LONG from K = MMA_LONG_K on, or
@@ -340,7 +328,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     b->wgmma = wgmma_available(b->device);
     int major = 0;
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, b->device));
-    b->l2_prefetch = major == 9; /* the H200 is what the prefetch was planned for (NOTES.md, v11) */
+    b->l2_prefetch = major == 9; /* the plan assumes a Hopper L2 and SM (see COLIBRI_PREFETCH_BYTES) */
     if (b->wgmma) {
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, true>()));
         COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, false>()));
@@ -374,7 +362,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
 /* Whether a 16-row projection of n outputs runs the narrow kernel: when its grid over the experts
  * likely touched (top-k of num_tokens tokens spread evenly over E) ends in a clearly fuller last wave
  * than the BN = 128 grid does. Small batches leave most of a wave idle with BN = 128 (Qwen T=4: 0.6 of
- * one wave) or a ragged last one (Mixtral T=16: 3.4 waves); NOTES.md, v4. */
+ * one wave) or a ragged last one (Mixtral T=16: 3.4 waves). */
 static double mma16_touched(const colibri_moe_config_t *c, int64_t num_tokens) {
     const double E = c->num_experts;
     return E * (1.0 - pow(1.0 - (double)c->top_k / E, (double)num_tokens));
@@ -402,7 +390,7 @@ static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int6
 /* Whether a 16-row projection of short rows (K < MMA_LONG_K) takes BK=128: only where its BN = 128 grid
  * is at least MMA16_LONG_MIN_WAVES waves of that kernel, whose blocks per SM are fewer. Qwen T=4 (15
  * experts touched, 1.2 waves of it) read 0.097 against 0.092 ms with BK=128; T=16 and 64 (3-13
- * waves) gained 1-5% (NOTES.md, v10). */
+ * waves) gained 1-5%. */
 #define MMA16_LONG_MIN_WAVES 2.0
 static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n) {
     return mma16_waves(b, c, num_tokens, glu, n, false, true) >= MMA16_LONG_MIN_WAVES;
@@ -410,17 +398,16 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
 
 /* Where the tensor cores could run, the few-tokens path serves at most this many assignments: with so
  * few experts touched a tensor-core grid (a row of blocks per expert, each looping over all of K)
- * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. Measured on the H200
- * (NOTES.md, v4): gemv faster at T*k <= 8 (Mixtral T=1, 4; DeepSeek/Qwen T=1), the 16-row tensor-core
- * tile from T*k = 16 on (Qwen T=4 1.11x, DeepSeek T=4 1.16x, all T=16 1.24-1.47x). Re-timed after v8's
- * faster gemv (NOTES.md, v12 E): the gemv up to T*k = 24 made DeepSeek T=4 0.84x, Qwen T=4 0.90x. */
+ * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. On an H200 the gemv was
+ * faster up to T*k = 8, the 16-row tile from T*k = 16 on (1.11-1.47x); the gemv up to T*k = 24 made
+ * DeepSeek T=4 0.84x, Qwen T=4 0.90x. */
 #define GEMV_MAX_ASSIGNMENTS 8
 
 /* Direct mode with short rows (at most this many bytes of weights per warp and row: fine-grained experts,
  * 2.8-8 KB) launches about GEMV_LOOP_BLOCKS_PER_SM blocks per SM (what the registers of the 1- and
  * 2-row kernels allow) whose warps loop over rows, rather than a block per 8 rows: a block's setup (its
  * expert found in the ids: an L2 round trip and a few barriers) and its wait for a free slot are then
- * paid once per slot, not once per 8 rows. Measured (NOTES.md, v8): DeepSeek T=1 0.052 -> 0.046 ms,
+ * paid once per slot, not once per 8 rows. Measured: DeepSeek T=1 0.052 -> 0.046 ms,
  * Qwen 0.040 -> 0.036; 2 blocks per SM for the up projection, leaving a slot for the down one to
  * start early, was no faster. Long rows (Mixtral: 16-28 KB per warp) keep a block per 8 rows. */
 #define GEMV_SHORT_ROW_BYTES 8192
@@ -432,9 +419,9 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
  * 4, 8 at or above 1.5x the mean assignments per expert (1 for at most one per expert on average
  * when the experts outnumber the assignments 4 to 1). 16..128: the tensor-core tile height, ~1.5x the
  * mean assignments per expert so that most experts fit in one tile and their weights are read once
- * (measured: tiles of just the mean were slower, 1.42 vs 1.26 ms for Mixtral at T=64 - see
- * csrc/dev/cuda/NOTES.md); but 32 rather than 64 where 1.3x the mean still fits 32 rows (the 64-row
- * GLU tile keeps BK=32: DeepSeek T=256 1.37x with 32, NOTES.md v4). */
+ * (tiles of just the mean were slower: 1.42 against 1.26 ms for Mixtral at T=64); but 32 rather than
+ * 64 where 1.3x the mean still fits 32 rows, as the 64-row GLU tile keeps BK=32 (DeepSeek T=256 1.37x
+ * with 32). */
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
@@ -451,7 +438,7 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
     if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
     /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead (its
      * producer streams the weights of a partial tile well, and its items hand out by a counter): measured
-     * on the H200 (NOTES.md v15 C) DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.05-1.08x over the 32-row
+     * on an H200: DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.05-1.08x over the 32-row
      * mma_kernel, T=384 1.46x over the 64-row one, but Mixtral (8 experts) T=64 0.98x, so not below
      * WS_SMALL_TILE_MIN_EXPERTS. */
     if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode)
@@ -473,21 +460,19 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
 
 /* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (wgmma_ws_kernel
  * with MC: an expert's weight block multicast to the two tiles of a pair, wgmma.cuh): where they are
- * compute-bound (not streaming) and the experts have at most WS_MC_MAX_TILES tiles each on average.
- * Measured on the H200 against the one-block kernel, same run (NOTES.md v17 B): Mixtral T=512 (1 tile
- * per expert) 1.12x, T=1024 (2) 1.07x, DeepSeek-V2-Lite T=2048 (1.5) 1.03x, Qwen1.5-MoE T=2048 (1.1)
- * 1.00x; with more tiles per expert the one-block kernel's tiles share the weight blocks in L2 among
- * themselves and the pairs' coupled k steps cost more than the halved L2 reads save: Mixtral T=2048 (4)
- * 0.99x, T=4096 (8) 0.98x, DeepSeek T=4096 (3) 0.97x, Qwen T=4096 (2.3) 0.97x. */
+ * compute-bound (not streaming) and the experts have at most WS_MC_MAX_TILES tiles each on average
+ * (on an H200, against the one-block kernel: Mixtral T=512 1.12x, T=1024 1.07x). With more tiles per
+ * expert the one-block kernel's tiles share the weight blocks in L2 among themselves and the pairs'
+ * coupled k steps cost more than the halved L2 reads save (0.97-0.99x). */
 #define WS_MC_MAX_TILES 2
 /* Where every item's k loop is long (hidden and intermediate sizes both at least WS_MC_LONG_K: 64 stages
  * of 64 or more), the limit counts tiles with their folded rows, 128 + b->ws_fold each: the cluster kernel
  * then takes Mixtral up to 2 x 152 rows per expert (T = 1216), where the one-block kernel was 1.02-1.18x
  * slower (T = 1152, 1216; 280 rows per expert); with shorter k loops (DeepSeek-V2-Lite T = 3072, 2048 x
- * 1408 experts) the cluster kernel was 0.97x there (NOTES.md v24 C, v25 B). */
+ * 1408 experts) the cluster kernel was 0.97x there. */
 #define WS_MC_LONG_K 4096
 /* The streaming projections (wg_streaming) of at most this many k elements run wgmma_ws_kernel's DRAIN
- * kernel (4 stages in flight, each stage's products waited for): measured on the H200 (NOTES.md v28 A)
+ * kernel (4 stages in flight, each stage's products waited for): measured on an H200,
  * DeepSeek-V2-Lite / Qwen1.5-MoE T = 1024 1.01-1.02x, T = 256 1.00-1.02x; on Mixtral (k = 4096 and 14336)
  * T = 256 0.99x, and 0.98-0.99x even with its products left out. 0: never (timing). */
 #ifndef WS_DRAIN_MAX_K
@@ -512,9 +497,8 @@ bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_to
 #endif
 }
 
-/* Measured on the H200 against main in the same run (NOTES.md v23): Mixtral T=1024 1.17x (every expert past
- * two whole tiles by at most 24 rows), T=4096 1.02-1.03x, Qwen1.5-MoE T=2048-4096 1.04-1.05x, DeepSeek-V2-Lite
- * T=4096 1.03x; rows without such experts 1.00x. */
+/* Rows an expert's last whole tile may absorb (wgmma.cuh's folded tiles), so that a few rows do not cost a
+ * tile re-reading the expert's weights: on an H200 Mixtral T=1024 1.17x, fine-grained T=4096 1.03-1.05x. */
 int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m) {
     return tile_m == WG_BM ? ((const CudaBackend *)ctx->backend)->ws_fold : 0;
 }
@@ -626,9 +610,9 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
              * run here is refused); the second waits for the first's column blocks of F in each tile. Where
              * those are at most one group of WG_GROUP_N (F <= 2048), the first projection's items complete
              * the tiles one after another (wg_item); else only where the cluster kernel runs: Mixtral's
-             * one-block kernel at 3-6 tiles per expert is bound by L2's bandwidth (NOTES.md v25 F), which
+             * one-block kernel at 3-6 tiles per expert is bound by L2's bandwidth, which
              * the second projection's early items then take from its last ones (0.97-0.99x; 1.00x at 8
-             * tiles), where on the cluster kernel (2-2.25) they gained 1.02-1.04x (NOTES.md v27 D) */
+             * tiles), where on the cluster kernel (2-2.25) they gained 1.02-1.04x */
             const int32_t up_blocks = (ctx->cfg.intermediate_size + WG_BN / 2 - 1) / (WG_BN / 2);
             if (!direct_ids && b->ws_fold > 0 && ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU &&
                 (up_blocks <= WG_GROUP_N || clusters > 0)) {
@@ -734,9 +718,9 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     return COLIBRI_OK;
 }
 
-/* L2 prefetch of the up projection's first wave during the routing (NOTES.md, v11). From T = 16 to
+/* L2 prefetch of the up projection's first wave during the routing. From T = 16 to
  * 256 tokens the expert GEMMs are memory-bound, and HBM idles through the 10-25 us of router gemv,
- * top-k and permutation before them (v9's per-kernel table), because no expert kernel knows its experts
+ * top-k and permutation before them, because no expert kernel knows its experts
  * before the tile table exists. Guessing that every expert is touched (true from T = 64 on for E =
  * 60-64, k = 4-6, and for Mixtral from T = 16; 67-79% of the fine-grained experts at T = 16), a small
  * kernel running beside the router fetches into L2 the first k steps of the weight rows the first wave
