@@ -105,7 +105,7 @@ __device__ __forceinline__ void wg_bulk_store(void *dst, uint32_t src, uint32_t 
  * (64 silu per thread per item, 16 MUFU results per clock per SM). silu_f32's accurate expf and IEEE
  * division were about 30 instructions per element. tanh.approx's error (2^-11 relative to tanh) makes
  * at most |g| 2^-12 absolute: about fp16's rounding of silu(g) ~ g for g > 0, more than it relative to
- * the small silu of a negative g; the harness's worst errors did not move (NOTES.md, v7). */
+ * the small silu of a negative g; the harness's worst errors did not move. */
 __device__ __forceinline__ float wg_silu(float g) {
     const float h = 0.5f * g;
     float t;
@@ -167,7 +167,7 @@ __device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t 
 /* As wg_store_part, without the bulk-copy engine: the rows staged with stmatrix are read back as 16-byte
  * chunks and written with coalesced 16-byte stores, so that a round needs no wait for the engine's reads
  * of the buffer before the next one (wgmma_ws_kernel's 64-column rounds through the bulk copies made the
- * fine-grained T=256-2048 rows 0.98x; these, 1.00x: NOTES.md v23). */
+ * fine-grained T=256-2048 rows 0.98x; these, 1.00x). */
 template <class T, bool GLU, int COLS, int ROW_BYTES>
 __device__ __forceinline__ void wg_store_part_direct(const float (&acc)[128], uint32_t buf, int part, T *out, int n,
                                                      int col, int prow, int tile_end) {
@@ -223,7 +223,7 @@ __device__ __forceinline__ void wg_products(const ExpertTile &tile, int wg, floa
  * while the products of the stage before it may still run (wgmma.wait_group 1). 3 (tiles of experts
  * with fewer rows than one tile on average, where the weights stream from HBM): 48 KB more in flight
  * per SM, bought with wgmma.wait_group 0 at every stage, whose drain the memory-bound tiles can
- * afford (NOTES.md, v9). */
+ * afford. */
 template <class T, bool GLU, int AHEAD>
 __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
     static_assert(AHEAD == 2 || AHEAD == 3, "a free ring slot is left for the products");
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
      * tile of at most 64 rows, the last of an expert whose rows are not a multiple of 128): it only
      * keeps the loads and the barriers going, and warpgroup 0's products have the tensor cores of the
      * SM to themselves. Two copies of the loop, not a branch around the wgmma inside it, which would
-     * make ptxas serialise every wgmma (NOTES.md, v9 A). */
+     * make ptxas serialise every wgmma. */
     auto k_loop = [&](auto mma_tag) {
         constexpr bool MMA = decltype(mma_tag)::value;
         for (int kt = 0; kt < ktiles; kt++) {
@@ -384,9 +384,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 /* ---- Warp-specialised: a producer warpgroup loads, two consumer warpgroups multiply ----
  *
  * wgmma_kernel's 256 threads both load and multiply, and every k step ends in a block barrier before its
- * slot may be refilled: the products wait on the barrier and the loads on the products (NOTES.md v9: the
- * cp.async issue and the barrier, not the bytes, kept its compute-bound tiles at 0.6-0.75 of the matmul
- * rate). Here a third warpgroup (threads 256-383) issues every load and the consumers (threads 0-255,
+ * slot may be refilled: the products wait on the barrier and the loads on the products (the cp.async
+ * issue and the barrier, not the bytes, kept its compute-bound tiles at 0.6-0.75 of the matmul rate).
+ * Here a third warpgroup (threads 256-383) issues every load and the consumers (threads 0-255,
  * wgmma_kernel's layout and epilogue) only wait for their stage's data:
  *  - B, the stage's 256 weight rows x 64 k, comes by the tensor memory accelerator in two boxes of 128
  *    rows from a 3-d tensor map (k, row, expert) of the projection's weights, 128-byte swizzled (the
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  * stage), and through the epilogue. With DRAIN each stage's products are waited for (wgmma.wait_group 0)
  * and its slot released at once, so that the consumers hold no slot while they wait for the next stage's
  * data: 4 stages (128 KB of weights) in flight. experts.cu's project() takes it for the streaming tiles of
- * short k loops (NOTES.md v28 A). The producer gives its registers to the consumers (setmaxnreg: 64 and
+ * short k loops. The producer gives its registers to the consumers (setmaxnreg: 64 and
  * 216 of the 168 per thread 384 threads start with, within the block's 384 x 168; at 56 and 224 nvcc 13's
  * ptxas spilled 4-28 bytes in the MC producer with the folded tiles' extra rows, and a folded item's
  * consumer holds 152 accumulators).
@@ -416,12 +416,12 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 #define WS_CONSUMER_REGS 216
 #endif
 
-/* An expert's last few rows, folded into its last whole tile (NOTES.md v23). permute_scan's `absorb` gives an
- * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows (since v24 also
+/* An expert's last few rows, folded into its last whole tile. permute_scan's `absorb` gives an
+ * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows (also
  * r <= 2 WS_EXTRA_ROWS for q >= 2: the last two of about 128 + r / 2 each, permute_folds), instead of a
  * tile of its own for the r rows: such a tile's items read the expert's whole weight block for a few rows
- * and cost about what a full item costs (Mixtral T=1024: three 8-row tiles made the forward 1.22x longer,
- * NOTES.md v22 A). The producer gathers the extra rows into WS_EXTRA_ROWS rows at the front of each stage,
+ * and cost about what a full item costs (Mixtral T=1024: three 8-row tiles made the forward 1.22x
+ * longer). The producer gathers the extra rows into WS_EXTRA_ROWS rows at the front of each stage,
  * right before the tile's 128 (zeros past the tile's end), and both consumer warpgroups multiply the stage
  * transposed: the weight rows as wgmma's A operand (M, 64 per product), all 128 + WS_EXTRA_ROWS token rows
  * as its B (N = 152): (128 + 24) / 128 = 1.19x an item's tensor work, in the same asynchronous products
@@ -444,7 +444,7 @@ static_assert(WS_SMEM_BYTES <= 232448, "wgmma_ws_kernel's shared memory is over 
 static_assert(WS_X_BYTES % 1024 == 0, "the extra rows keep the 128-byte swizzle's period");
 
 #define WS_F4(d, i) "+f"(d[i]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3])
-/* the register lists of the m64n152k16 products (fold48.patch also has m64n176k16's) */
+/* the register lists of the m64n152k16 products (folds of 48 rows, m64n176k16, lost: performance.md) */
 #if WS_EXTRA_ROWS == 24
 #define WS_T_REGS \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
@@ -529,7 +529,7 @@ __device__ __forceinline__ uint32_t ws_full_bar(uint32_t sbase, int slot) {
 }
 __device__ __forceinline__ uint32_t ws_empty_bar(uint32_t sbase, int slot) { return ws_full_bar(sbase, slot) + 8; }
 #ifndef COLIBRI_WS_DYNAMIC
-#define COLIBRI_WS_DYNAMIC 1 /* 0: wgmma_ws_kernel's items by a fixed stride, as before NOTES.md v15 (timing) */
+#define COLIBRI_WS_DYNAMIC 1 /* 0: wgmma_ws_kernel's items by a fixed stride (timing) */
 #endif
 /* Word `i` of the item words, in the padding of staging row WG_STAGES + i: 0..WG_STAGES-1, the item whose
  * first stage slot i holds (-1: the producer has no more); WG_STAGES and WG_STAGES + 1, the producer's
@@ -539,7 +539,7 @@ __device__ __forceinline__ uint32_t ws_item_word(uint32_t sbase, int i) { return
 /* Items after the first wave go to blocks as they ask (sched[0] counts the asks), not by a fixed stride:
  * a block whose items run short (an expert's last, partial tile) takes the next item in line instead of
  * running ahead of the others, so the blocks at work keep covering a few neighbouring tiles of the same
- * column blocks and share their weight blocks in L2 (NOTES.md v15). Which block computes an item does
+ * column blocks and share their weight blocks in L2. Which block computes an item does
  * not change its arithmetic: the output is the same bits. */
 __device__ __forceinline__ unsigned ws_next_item(unsigned *sched) { return atomicAdd(sched, 1u); }
 /* A block (a cluster, with MC) whose last ask got no item counts itself done (sched[1]); the last of the
@@ -552,7 +552,7 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
     }
 }
 
-/* Chained projections (NOTES.md v27 D): the second projection of a SWIGLU forward on wgmma_ws_kernel reads a tile's
+/* Chained projections: the second projection of a SWIGLU forward on wgmma_ws_kernel reads a tile's
  * rows of inter once the first projection's items of that tile are stored, not once the whole first projection
  * has ended (its grid dependency). The first projection's consumers count each stored item in ready[tile]
  * (after a barrier of both warpgroups, one release reduction by one thread); the second projection's producer
@@ -669,11 +669,11 @@ __device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k
  * tile 2q + r; rank 1 has none past the last tile) for one column block. Where both tiles are of one
  * expert (every pair but those of experts' partial tiles, in permute_scan's pair order) their weight block
  * is shared: each rank loads half of every stage's 256 weight rows by a TMA multicast into both blocks
- * (L2 -> SM traffic of the weights halved: NOTES.md v9 B, C; v15 B); else each loads its own. Either
+ * (L2 -> SM traffic of the weights halved); else each loads its own. Either
  * way each block's "empty" barriers count the consumer warps of both, so the two run their rings in step,
  * and rank 0 takes the units from the counter and hands them to rank 1.
  * experts.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
- * with more, whose tiles share weight blocks in L2 well enough on one block each: NOTES.md v17 B). */
+ * with more, whose tiles share weight blocks in L2 well enough on one block each). */
 template <class T, bool GLU, bool MC, bool DRAIN>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
     static_assert(!(MC && DRAIN), "the cluster kernel runs the compute-bound tiles only");
