@@ -20,11 +20,11 @@ struct PermuteArgs {
 };
 
 /* With `absorb`, the r rows an expert has past q >= 1 whole tiles go with its last m = ceil(r / absorb) whole
- * tiles, at most `absorb` more rows each (128 + up to 24: wgmma_ws_kernel's folded tiles, NOTES.md v23),
+ * tiles, at most `absorb` more rows each (128 + up to 24: wgmma_ws_kernel's folded tiles),
  * instead of a tile of their own, where m is at most PERMUTE_FOLD_TILES and q. A folded item costs 1.2 plain
  * ones (on the cluster kernel the other tile of its pair too, their rings moving in step), a tile of 25-48
  * rows about 0.7 of a whole one or more: two folds paid at Mixtral T=1024 (1.07-1.16x), four lost (0.96x at
- * T=4096: 61-95 rows over 3-4 tiles). NOTES.md v24 A, B, D. Returns m (0: no fold). */
+ * T=4096: 61-95 rows over 3-4 tiles). Returns m (0: no fold). */
 #ifndef PERMUTE_FOLD_TILES
 #define PERMUTE_FOLD_TILES 2
 #endif
@@ -51,7 +51,7 @@ __device__ __forceinline__ int permute_tiles(int c, int tile_m, int absorb) {
  * (the experts between them, of even counts, and b's other tiles one place on); an odd one out keeps its
  * place but for its partial tile, which goes to the end of the table (the experts after it one place back).
  * In expert order an expert with an odd number of tiles paired its last tile with the next expert's first,
- * which shares nothing: 5 of Mixtral's 10 pairs at T = 1024 (NOTES.md v18 A). The tiles stay near their
+ * which shares nothing: 5 of Mixtral's 10 pairs at T = 1024. The tiles stay near their
  * experts' places in expert order, so the pairs that share nothing stay spread over the table (all at its
  * end, they cost 3% at Mixtral T = 512). The order of the tiles does not change an output: each tile writes
  * its own rows. pair_ends: (E + 1) / 2 ints of shared memory, only with o.pairs. */
@@ -88,7 +88,7 @@ __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m
         o.offsets[e] = pos;
         if (cursor) cursor[e] = pos;
         /* a reduction, not a load and a store: the thread does not wait for the count's line (cold in L2
-         * after other work) before going on (NOTES.md v26 C) */
+         * after other work) before going on */
         if (c) atomicAdd(&o.totals[e], (unsigned long long)c);
         /* table index of this expert's tile i < t - 1: first + i; of its last tile: last */
         int first = tile, last = tile + t - 1;
@@ -147,7 +147,7 @@ __device__ __forceinline__ void permute_place(int e, int i, int n, int *base, co
 
 /* The row stride of the per-warp, per-expert counts ([nwarps, stride] ints): odd, so that the lanes of a warp
  * reading one expert's counts of every warp (permute_scatter's scan) hit 32 different banks; with a stride of
- * E = 64 they all hit one (NOTES.md v26 C). */
+ * E = 64 they all hit one. */
 __host__ __device__ inline int permute_stride(int E) { return E | 1; }
 
 /* Stable scatter of the assignments [c0, c0 + blockDim.x * rounds) that are below n, by every thread of
@@ -206,7 +206,7 @@ __device__ __forceinline__ void permute_scatter(const int32_t *ids, int c0, int 
 /* The whole permutation, by every thread of one block; smem holds permute_smem_bytes(blockDim.x, E). Where
  * the assignments fit one chunk, every warp ranks ceil(n / threads) rounds of them (not PERMUTE_ROUNDS, which
  * left most warps idle and the rest ranking 8 rounds in turn: n = 1536 on 32 warps is 2 rounds each on 24
- * warps, against 8 on 6), and the ids are read once, into chunk_ids, by the histogram (NOTES.md v26 B).
+ * warps, against 8 on 6), and the ids are read once, into chunk_ids, by the histogram.
  * `trigger` (permute_kernel): the kernel's dependents may launch once the tile table is written. */
 __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
                                               int *smem, bool trigger = false) {
@@ -245,10 +245,10 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
 
 /* The whole permutation of n <= PERMUTE_WARP_MAX assignments by one warp: permute_block's steps with warp
  * synchronisation instead of block barriers, and no second read of the ids (lane l keeps assignments l,
- * l + 32, ... in registers). The same offsets, positions and tile table (in expert order). Measured on the
- * H200 (NOTES.md v18 B): at T=16 of DeepSeek-V2-Lite / Qwen1.5-MoE the permute kernel ended 4.1 / 2.2 us
+ * l + 32, ... in registers). The same offsets, positions and tile table (in expert order). Measured on an
+ * H200: at T=16 of DeepSeek-V2-Lite / Qwen1.5-MoE the permute kernel ended 4.1 / 2.2 us
  * sooner, at T=4 the route kernel 1.5 / 1.2 us sooner, 1.01-1.02x on those rows; a version that ranked
- * every assignment against every other by shuffles, with no shared memory (csrc/dev/cuda/permute_warp.patch),
+ * every assignment against every other by shuffles, with no shared memory,
  * ended 19-33 us later at T=16 and 8 us later at T=4. smem: 2 E ints. `trigger` as permute_block's. */
 __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
                                              int *smem, bool trigger = false) {
