@@ -1,19 +1,11 @@
 /*
  * route.cu — built-in routing on the GPU: router logits [T, E] = x @ router^T in fp32, then one warp
  * per token turns a row of logits into top-k ids and weights (colibri.h, colibri_routing_t).
- * Up to 8 tokens (decode): one kernel, a block per router row whose 256 threads split H so the whole
- * row is in flight at once, and the last block to finish (a counter in the workspace) picks the top-k
- * of every token and, inside a forward, groups the assignments by expert (permute.cuh) too.
- * From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled GEMM split along H when the tiles
- * alone would not fill the GPU, on tensor cores for bf16 tokens (route_mma_kernel: the fp32 router as
- * three bf16 parts), else fp32 SIMT (route_gemm_kernel).
- * In between, at every T above 8 with fewer experts (Mixtral's 8), and for rows that do not allow
- * 4-element loads: the memory-bound gemv of gemv.cuh (a block per 8 tokens and 8 experts; the router
- * is small and re-read from L2 for each group of 8 tokens), split along H too where its grid is short
- * of two blocks per SM (route_gemv_plan).
- * After either, the top-k kernel, which first adds the splits' partial logits in split order.
- * Every path sums in a fixed order, so the logits, and the ids, are the same bits on every run.
- * A custom routing_fn is called here too, on the caller's stream, with device pointers.
+ * Up to 8 tokens: route_small_kernel, whose last block also picks the top-k and, inside a forward,
+ * permutes (permute.cuh). From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled GEMM
+ * (route_mma_kernel, route_gemm_kernel); else the gemv of gemv.cuh; either then topk_kernel. Every path
+ * sums in a fixed order, so the ids are the same bits on every run. A custom routing_fn is called here
+ * too, on the caller's stream. docs/cuda-design.md ("Routing") has the paths and why.
  */
 #include <math.h>
 
@@ -141,8 +133,8 @@ __device__ __forceinline__ unsigned topk_key(float s) {
  * asked first); the winner's key drops to 0. r0 / r1: the pick index of the lane's two experts, E if
  * not picked. The same ids in the same order as topk_token_picks (ranks_before's order), and the
  * weights formed by the same operations in the same order: the same bits. A loop of 32 shuffle rounds
- * ranking every expert against all E (v12's) took 3500-3950 cycles of the forward's critical path
- * (clock64 in the route kernel's last block, NOTES.md v13); these rounds are a few warp operations each. */
+ * ranking every expert against all E took 3500-3950 cycles of the forward's critical path (clock64 in
+ * the route kernel's last block); these rounds are a few warp operations each. */
 __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
@@ -204,9 +196,9 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 }
 
 /* One warp, one token: ids and weights of its top-k (topk_token_rank where E allows, else the picks).
- * Not inlined: with v12's rank loop that was measured 1.3-4.5 us faster per decode forward than inlined
- * (NOTES.md, v12 C), and the route kernels' register allocation changes with it. Where its time goes at
- * decode (clock64, NOTES.md v13): mostly the fetch of its instructions, which run once per forward. */
+ * Not inlined: with the earlier 32-round rank loop that was 1.3-4.5 us faster per decode forward than
+ * inlined, and the route kernels' register allocation changes with it. Where its time goes at decode
+ * (clock64): mostly the fetch of its instructions, which run once per forward. */
 static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
     else topk_token_picks(l, p, t, lane);
@@ -250,7 +242,7 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
  * Every output is one fp32 FMA chain along its K range (fixed order: bitwise repeatable). Split 0
  * writes the logits, split s > 0 part[s - 1]. Rows are read 4 elements at a time: H % 4 == 0 and x
  * 16-byte aligned. It runs at about a third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048); 8 x 8
- * outputs per thread, which halve the shared-memory reads per FMA, were no faster (NOTES.md, v6). */
+ * outputs per thread, which halve the shared-memory reads per FMA, were no faster. */
 #define ROUTE_BK 32
 #define ROUTE_LD (ROUTE_BK + 4) /* row stride of a shared slice: consecutive rows 4 banks apart */
 #define ROUTE_GEMM_THREADS 256
@@ -348,17 +340,11 @@ __global__ void __launch_bounds__(ROUTE_GEMM_THREADS, 2)
     }
 }
 
-/* Where the GEMM takes over (ncu, H200, one forward each, bf16 input): with 64 experts it beat the gemv
- * + top-k at T = 1024 (29.5 against 39.2 us) and T = 4096 (66 against 109) but not at T = 256 (24.3
- * against 20.6: the top-k kernel adds 16 splits there); with 8 experts (Mixtral) never (T = 4096: the
- * gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). The gemv's split (route_gemv_plan)
- * leaves all of these gemv shapes whole; the GEMM's T = 256 was measured while the top-k kernel still
- * loaded the 16 partials one after another. Re-timed after the split gemv (NOTES.md, v11 F): the gemv
- * up to T = 8191 made whole forwards 0.97x at T = 1024 and 0.94-0.95x at T = 4096 (DeepSeek, Qwen).
- * Re-timed after the GEMM went to tensor cores for bf16 tokens (route_mma_kernel, NOTES.md v14 C, v17 E):
- * from T = 128, whole forwards 1.02x at T = 256 (DeepSeek-V2-Lite 0.305 against 0.309 ms, Qwen1.5-MoE
- * 0.282 against 0.288: the unsplit gemv took 9.7-11.5 us of the routing there), 1.00x at T = 128; from
- * T = 16, 0.99-1.01x at T = 16 and 64, so the gemv keeps those. */
+/* Where the GEMM takes over (H200, bf16 input): with 64 experts the tensor-core GEMM from T = 128 made
+ * whole forwards 1.02x at T = 256 (the unsplit gemv took 9.7-11.5 us of the routing there) and 1.00x at
+ * T = 128; from T = 16, 0.99-1.01x at T = 16 and 64, so the gemv keeps those. The (split) gemv up to
+ * T = 8191 instead lost (0.97x at T = 1024, 0.94-0.95x at T = 4096). With 8 experts (Mixtral) the GEMM never won (T = 4096:
+ * the gemv 26.9 us, the GEMM 45.8 with its 16-expert tile half empty). */
 #ifndef ROUTE_GEMM_MIN_T
 #define ROUTE_GEMM_MIN_T 128
 #endif
@@ -459,7 +445,7 @@ size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_c
  * FMA. A router that is bf16 upcast (mid and lo all 0, found at init) takes one part: PARTS = 1. The
  * tensor cores' fp32 sums round otherwise than an FMA chain does, so a near tie may pick another id than
  * route_gemm_kernel would; like it, bitwise repeatable (fixed order everywhere). The SIMT kernel ran at a
- * third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048; NOTES.md v6). 128 threads: 2 x 2 warps of
+ * third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048). 128 threads: 2 x 2 warps of
  * 32 tokens x 32 experts, x and the router parts staged by cp.async in RMMA_STAGES stages of RMMA_BK
  * elements, swizzled as mma_kernel's (the same fragments). */
 #define RMMA_BK 32
@@ -809,7 +795,7 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
         splits = launch_logits(ctx, num_tokens, act_dtype, input, stream, &err);
         COLIBRI_CUDA_CHECK(err);
     }
-    /* The forward's L2 prefetch of the first expert weights (NOTES.md, v11) runs beside the router's
+    /* The forward's L2 prefetch of the first expert weights runs beside the router's
      * first kernel, which lets its dependents launch as it starts. */
     if (b->router && permute_tile_m > 0) {
         colibri_status_t st = colibri_cuda_launch_prefetch(ctx, num_tokens, permute_tile_m, stream);
