@@ -173,7 +173,7 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     const int32_t tile_m = colibri_cuda_experts_tile_m(ctx, num_tokens, act_dtype, input);
     const bool direct = colibri_cuda_experts_direct(ctx, num_tokens, tile_m);
     bool permuted = false;
-    /* The L2 prefetch of the up projection's first wave (NOTES.md, v11) runs beside the router's first
+    /* The L2 prefetch of the up projection's first wave runs beside the router's first
      * kernel (colibri_cuda_launch_route), or, where no router kernel runs, before the permutation. First
      * of all, before the router, it was slower: the router then waits for it. */
     const bool prefetch_late = topk_ids || !b->router;

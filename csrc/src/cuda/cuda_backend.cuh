@@ -2,16 +2,9 @@
  * cuda_backend.cuh — what the CUDA backend's files share: the backend state hung off the context,
  * the CUDA error check, dtype tags and conversions, vector loads, and the launchers each op family
  * exports to the orchestration in context.cu. Private to csrc/src/cuda/.
- *
- * Data flow of one forward chunk of T tokens (all on the caller's stream):
- *   route.cu    logits [T, E] fp32 -> topk ids / weights [T, k]           (unless the caller gave them)
- *   permute.cu  ids -> expert offsets, perm (sorted position -> assignment t*k+j), inv (its inverse),
- *               a tile table of (expert, first position, end position); skipped for few assignments
- *               (decode), where the gemv blocks find their experts in the ids and positions are t*k+j
- *   experts.cu  up projection (SWIGLU: silu(gate x) * up x) -> inter [T*k, F]; down -> y [T*k, H]
- *   combine.cu  out[t] = sum_j w[t, j] * y[inv[t*k+j]] in j order (deterministic, no float atomics);
- *               at decode (direct mode, SWIGLU, at most 8 assignments) the down projection sums the
- *               same way itself and writes out (gemv.cuh, gemv_combine_kernel)
+ * One forward chunk, on the caller's stream: route.cu (logits, top-k) -> permute.cu (grouping by
+ * expert, the tile table; skipped at decode) -> experts.cu (up and down projections) -> combine.cu
+ * (the weighted top-k sum). docs/cuda-design.md ("One forward") has the shapes.
  */
 #ifndef COLIBRI_CUDA_BACKEND_CUH
 #define COLIBRI_CUDA_BACKEND_CUH

@@ -1,35 +1,11 @@
 /*
  * gemv.cuh — the memory-bound kernel shared by the router (route.cu) and the few-tokens expert path
  * (experts.cu): out[p, n] = sum_k W[n, k] * x[row(p), k] for a handful of positions p per block.
- *
- * At decode a touched expert sees one to a few tokens, so the cost is streaming its weights once.
- * Each warp owns one output row n (for SWIGLU the gate row and the up row together, so silu(g) * u is
- * formed in the same pass), walks K with 16-byte loads, UNROLL of them in flight (8 in the one-matrix
- * kernels of at most 2 token rows, else 4 per matrix), and dots them against up to MAXNT token rows
- * read through L1. A block is 8 warps; warp w takes rows n = 8 (blockIdx.y + i gridDim.y) + w, i.e. one
- * group of 8 consecutive rows, or several where the launch caps the grid (direct mode with short rows,
- * experts.cu: a few blocks per SM, so that a block's setup is paid per SM slot rather than per 8
- * rows); blockIdx.x picks the positions one of three ways:
- *  - direct mode (ids given, few assignments): the blockIdx.x-th distinct expert among the ids, and
- *    the assignments that chose it, found by the block itself (by each of its warps where there are at
- *    most 32 ids: gemv_direct_setup_warp): no permute kernel runs, and
- *    positions are assignment indices t*k+j (the first projection also keeps the expert counters and
- *    the bad-id flag that permute.cu keeps otherwise);
- *  - a tile (expert, positions [begin, end)) from the table permute.cu wrote;
- *  - with neither, a group of 8 consecutive positions (the router, whose "expert" is the single
- *    router matrix).
- * The router's launch may also split K over blockIdx.z (gemv_split_kernel, through gemv_launch_groups):
- * its grid of T/8 x E/8 blocks is short of filling the GPU below about a thousand tokens, while every
- * warp walks its whole row one chunk after another (route.cu, route_gemv_plan). The expert kernels
- * are the same code with or without it.
- * MAXNT (the tile height of the few-tokens path, host-chosen from the mean tokens per expert) bounds
- * the token rows one pass serves: the registers of the widest pass bound how many blocks share an SM,
- * so decode-sized launches use the narrow kernels (more warps, more bytes in flight per SM).
- *
- * Programmatic dependent launch in direct mode: the first projection waits for the routing and only
- * then lets the second one launch, so the second may read the ids, find its expert and issue its first
- * weight loads (for the down projection of a fine-grained expert, the whole row) before it waits for
- * the first projection's output: its weight stream overlaps the first projection's last wave.
+ * Each warp owns one output row (SWIGLU: the gate and up rows, so silu(g) * u forms in the same pass)
+ * and streams it with 16-byte loads against up to MAXNT token rows. blockIdx.x picks the positions: in
+ * direct mode the block finds its expert among the ids itself (no permute; positions t*k+j), else a
+ * tile of permute.cu's table, else (the router) 8 consecutive positions; the router's launch may split
+ * K over blockIdx.z (gemv_split_kernel). docs/cuda-design.md ("Decode: the gemv") says why.
  */
 #ifndef COLIBRI_CUDA_GEMV_CUH
 #define COLIBRI_CUDA_GEMV_CUH
@@ -125,7 +101,7 @@ __device__ __forceinline__ int gemv_direct_setup(const ProjArgs &a, int &expert,
 /* gemv_direct_setup for at most 32 ids, by each warp alone: no block barrier. The warp's positions go to
  * its own 32 ints of s_pos (s_pos_w); the expert and the count are those the block version finds. At
  * decode the block version's barriers and scan stood between the dependency wait and the first weight
- * load of every block (2200-3700 cycles with the ids load, NOTES.md v14 D). */
+ * load of every block (2200-3700 cycles with the ids load). */
 __device__ __forceinline__ int gemv_direct_setup_warp(const ProjArgs &a, int &expert, int *s_pos_w) {
     const int lane = threadIdx.x & 31, n = a.num_ids;
     int id = -1;

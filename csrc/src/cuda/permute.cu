@@ -1,20 +1,12 @@
 /*
- * permute.cu — groups the T*k (token, slot) assignments by expert on the device, deterministically:
- * within an expert, assignments keep their order t*k+j, so every run produces the same layout.
- *
- * Up to PERMUTE_MULTI_MIN assignments one block does it all (permute.cuh; up to PERMUTE_WARP_MAX, one
- * warp): a histogram with shared-memory integer atomics (the counts do not depend on the order), a scan
- * into expert offsets and a tile table, then a stable scatter in which each warp ranks its 32 assignments
- * with __match_any_sync and takes its base from a per-warp, per-expert count. Ids out of range get no
- * position (inv = -1) and raise bad_id. Where the expert GEMMs run on the cluster kernel, the tile table
- * takes the order of its pairs (permute_scan).
- * More assignments (prefill): the same steps spread over chunks of PERMUTE_MULTI_ROUNDS * threads
- * assignments, one block each, in two launches. Count: each block writes its chunk's histogram and adds
- * it to the forward's per-expert counts (integer atomics, order-free); the last block to finish (a
- * counter in the workspace, reset by that block for the next launch) scans the counts into offsets and
- * the tile table. Scatter: block b starts expert e at offsets[e] plus the counts of chunks 0..b-1 and
- * ranks its chunk as above. No host synchronisation, so a graph captures it.
- * Also: convert, which casts activations to the weight dtype for the tensor-core path.
+ * permute.cu — groups the T*k (token, slot) assignments by expert on the device, stably: within an
+ * expert, assignments keep their order t*k+j, so every run produces the same layout.
+ * Up to PERMUTE_MULTI_MIN assignments one block (up to PERMUTE_WARP_MAX, one warp) does it all
+ * (permute.cuh): histogram, scan into offsets and the tile table, stable scatter. Beyond, two launches
+ * over chunks: permute_count_kernel (per-chunk histograms; the last block scans) and
+ * permute_scatter_kernel (block b starts expert e at offsets[e] plus chunks 0..b-1's counts). Ids out
+ * of range get no position (inv = -1) and raise bad_id. Also convert_kernel, which casts activations
+ * to the weight dtype for the tensor-core path. docs/cuda-design.md ("Permutation") says more.
  */
 #include "permute.cuh"
 
