@@ -1,36 +1,12 @@
 /*
- * moe_cpu.c — the CPU backend, in plain C99 + OpenMP. It doubles as the readable specification of the
- * math every backend computes (the CUDA files follow the same steps):
- *
- *   1. dtype helpers     fp16 / bf16 <-> fp32; all arithmetic is fp32
- *   2. projection        the one matmul: out[c, r] = dot(W[r, :], x[c, :]) with W in its stored dtype
- *   3. routing           router logits -> built-in top-k (or the caller's routing_fn)
- *   4. grouping          (token, slot) pairs sorted by expert with a counting sort
- *   5. expert FFN        each touched expert runs once over all of its tokens
- *   6. combine           output[t] = sum_j topk_weights[t, j] * y[t, j], j in slot order
- *
- * The expert weights are borrowed in place (often a memory-mapped checkpoint) and never copied.
- * Everything a forward needs is allocated at init for cfg.workspace_tokens tokens; the front end splits
- * longer forwards into chunks of that size.
- *
- * Parallelism: the expert FFN is cut into tasks (expert, block of ROW_BLOCK weight rows) that each run
- * over all of the expert's tokens. At T = 1 that splits every touched expert's rows across the threads,
- * so each weight byte is streamed once (decode is memory-bound); at large T each block of weight rows is
- * converted to fp32 once and reused from cache by every token of the expert.
- *
- * bf16 x bf16: where the CPU has AVX512-BF16 dot products (vdpbf16ps) and both the weights and the
- * activations are bf16, the projections multiply bf16 pairs straight from the weights, accumulating in
- * fp32, and the SwiGLU intermediate silu(gate x) * up x is kept in bf16, the activation dtype (as
- * PyTorch does in bf16). That halves the arithmetic and skips the weight conversion. Every other case
- * converts weights to fp32 and keeps the intermediate in fp32. The bf16 x bf16 projection has two
- * kernels: dot_tile_bf16 (a few tokens: decode, where streaming the weights is all that matters) and,
- * for an expert with at least TOKEN_LANES_MIN tokens, the token-lane kernel of section 2b (prefill,
- * where the arithmetic is); they give bitwise the same results.
- *
- * Determinism: every output element is computed by one task in a fixed order of operations, whatever
- * thread runs it and whichever kernel, and the combine sums the slots in order, so results are bitwise
- * identical run to run, for any thread count and any chunking: a token's output does not depend on the
- * other tokens of the call.
+ * moe_cpu.c — the CPU backend, in plain C99 + OpenMP, and the readable specification of the math every
+ * backend computes (the CUDA files follow the same steps): 1. dtype helpers (all arithmetic fp32),
+ * 2. the projection, 3. routing, 4. grouping by expert (a counting sort), 5. the expert FFN (each
+ * touched expert once over all its tokens), 6. combine (output[t] = sum_j w[t, j] * y[t, j], slot order).
+ * The expert weights are borrowed in place (often a memory-mapped checkpoint), never copied; everything
+ * a forward needs is allocated at init for cfg.workspace_tokens tokens. Every output element is computed
+ * by one task in a fixed order of operations, so results are bitwise identical run to run, for any
+ * thread count and any chunking.
  */
 #include <math.h>
 #include <omp.h>
@@ -207,7 +183,16 @@ static void store_f32(void *dst, colibri_dtype_t dtype, uint64_t offset, const f
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * 2. projection: the one matmul kernel
+ * 2. projection: the one matmul kernel, out[c, r] = dot(W[r, :], x[c, :]) with W in its stored dtype
+ *
+ * bf16 x bf16: where the CPU has AVX512-BF16 dot products (vdpbf16ps) and both the weights and the
+ * activations are bf16, the projections multiply bf16 pairs straight from the weights, accumulating in
+ * fp32, and the SwiGLU intermediate silu(gate x) * up x is kept in bf16, the activation dtype (as
+ * PyTorch does in bf16). That halves the arithmetic and skips the weight conversion. Every other case
+ * converts weights to fp32 and keeps the intermediate in fp32. The bf16 x bf16 projection has two
+ * kernels: dot_tile_bf16 (a few tokens: decode, where streaming the weights is all that matters) and,
+ * for an expert with at least TOKEN_LANES_MIN tokens, the token-lane kernel of section 2b (prefill,
+ * where the arithmetic is); they give bitwise the same results.
  * ------------------------------------------------------------------------------------------------- */
 
 static inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
@@ -709,6 +694,11 @@ static int64_t make_tasks(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
 
 /* ---------------------------------------------------------------------------------------------------
  * 5. expert FFN
+ *
+ * Parallelism: the expert FFN is cut into tasks (expert, block of ROW_BLOCK weight rows) that each run
+ * over all of the expert's tokens. At T = 1 that splits every touched expert's rows across the threads,
+ * so each weight byte is streamed once (decode is memory-bound); at large T each block of weight rows is
+ * converted to fp32 once and reused from cache by every token of the expert.
  * ------------------------------------------------------------------------------------------------- */
 
 /* e^x in fp32 from plain arithmetic, so that the SiLU loop below vectorises (a call to libm's expf
