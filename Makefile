@@ -45,8 +45,10 @@ ifeq ($(CUDA)$(if $(CUDA_SRCS),y,n),1y)
                    /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local/cuda/targets/x86_64-linux/lib,$(d)/libcudart_static.a)))))
   LDLIBS      += -L$(CUDA_LIBDIR) -lcudart_static -ldl -lpthread -lrt
   CUDA_STATE  := built (sm $(CUDA_ARCH))
+  CUDA_BUILT  := 1
 else
   BACKEND_OBJS := $(BUILD)/obj/src/cuda_stub.o
+  CUDA_BUILT  :=
   LINK        := $(CC)
   CUDA_STATE  := not built ($(if $(NVCC),CUDA=0 or no CUDA sources,nvcc not found))
 endif
@@ -94,9 +96,9 @@ ctests: $(C_TESTS)
 # R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
 # cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
 # cupy-cuda11x overrides the choice.
-NVIDIA_DRIVER := $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
+NVIDIA_DRIVER = $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 CUPY ?= $(if $(NVIDIA_DRIVER),$(shell [ $(NVIDIA_DRIVER) -ge 525 ] && echo cupy-cuda12x || { [ $(NVIDIA_DRIVER) -ge 450 ] && echo cupy-cuda11x || echo none; }),none)
-CUPY_PACKAGES := $(if $(filter cupy-cuda12x,$(CUPY)),cupy-cuda12x nvidia-cuda-nvrtc-cu12,$(if $(filter cupy-cuda11x,$(CUPY)),cupy-cuda11x nvidia-cuda-nvrtc-cu11))
+CUPY_PACKAGES = $(if $(filter cupy-cuda12x,$(CUPY)),cupy-cuda12x nvidia-cuda-nvrtc-cu12,$(if $(filter cupy-cuda11x,$(CUPY)),cupy-cuda11x nvidia-cuda-nvrtc-cu11))
 $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -167,11 +169,10 @@ bench: venv lib
 # The C example, linked as README "Using the C library" says, run on a demo checkpoint (the venv only
 # writes that file). With the CUDA backend it is compiled with the CUDA runtime and, where a GPU is
 # visible, runs on it too.
-EXAMPLE_CUDA := $(filter-out $(BUILD)/obj/src/cuda_stub.o,$(BACKEND_OBJS))
 EXAMPLE_DEMO := $(BUILD)/examples/demo.colibri.safetensors
 $(BUILD)/examples/hello_colibri: examples/hello_colibri.c $(LIB_A) csrc/include/colibri.h
 	@mkdir -p $(dir $@)
-	$(CC) -Icsrc/include $(filter-out -fPIC,$(CFLAGS)) $(if $(EXAMPLE_CUDA),-DHELLO_COLIBRI_CUDA -I$(CUDA_LIBDIR)/../include) -c $< -o $@.o
+	$(CC) -Icsrc/include $(filter-out -fPIC,$(CFLAGS)) $(if $(CUDA_BUILT),-DHELLO_COLIBRI_CUDA -I$(CUDA_LIBDIR)/../include) -c $< -o $@.o
 	$(LINK) -o $@ $@.o $(LIB_A) $(LDLIBS)
 
 $(EXAMPLE_DEMO): | $(VENV)/.installed
@@ -181,7 +182,7 @@ $(EXAMPLE_DEMO): | $(VENV)/.installed
 
 examples: $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO)
 	$(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cpu
-	@if [ -n "$(EXAMPLE_CUDA)" ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
+	@if [ -n "$(CUDA_BUILT)" ] && ls /dev/nvidia[0-9]* >/dev/null 2>&1; then \
 	  echo "$(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda"; \
 	  $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda; fi
 
@@ -217,7 +218,7 @@ check-cuda11:
 # It is .cu, so test-c's csrc/tests/*.c leaves it out.
 CUDA_HARNESS_ARGS ?= --quick
 .PHONY: test-cuda
-ifeq ($(filter-out $(BUILD)/obj/src/cuda_stub.o,$(BACKEND_OBJS)),)
+ifeq ($(CUDA_BUILT),)
 test-cuda:
 	@echo "colibri: make test-cuda needs the CUDA backend, which is $(CUDA_STATE)" >&2; exit 1
 else

@@ -216,15 +216,13 @@ def import_cupy():
     global _nvrtc_preloaded
     if not _nvrtc_preloaded:
         _nvrtc_preloaded = True
-        for module in ("nvidia.cuda_nvrtc",):
-            try:
-                folders = list(importlib.import_module(module).__path__)
-            except ImportError:
-                continue
-            for folder in folders:
-                for path in sorted(glob.glob(os.path.join(folder, "lib", "libnvrtc.so.*"))):
-                    if "builtins" not in os.path.basename(path):
-                        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        try:
+            folders = list(importlib.import_module("nvidia.cuda_nvrtc").__path__)
+        except ImportError:
+            folders = []
+        for folder in folders:
+            for path in sorted(glob.glob(os.path.join(folder, "lib", "libnvrtc.so.*"))):
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     import cupy
     return cupy
 

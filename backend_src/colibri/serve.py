@@ -39,6 +39,7 @@ import urllib.request
 from pathlib import Path
 
 from colibri import watchdog
+from colibri.triton_config import TRITON_DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
@@ -46,7 +47,6 @@ MODEL_NAME = "colibri_moe"
 DEFAULT_WEIGHTS_NAME = "weights.colibri.safetensors"
 
 # Activation dtypes the model can serve, as Triton names them in config.pbtxt.
-TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
 DEFAULT_CUDA_POOL_MB = 1024
 INSTANCE_KINDS = {"auto": "KIND_AUTO", "cpu": "KIND_CPU", "gpu": "KIND_GPU"}
 

@@ -39,24 +39,29 @@ def metrics_interval(args: dict) -> float:
     return value
 
 
-def warmup(args: dict) -> bool:
-    """Whether an instance runs warm-up forwards before it reports ready: config parameter
-    COLIBRI_WARMUP, 'yes' (default) or 'no'."""
-    parameters = json.loads(args["model_config"]).get("parameters", {})
-    text = parameters.get("COLIBRI_WARMUP", {}).get("string_value", "yes").strip().lower()
+def warmup_tokens(args: dict, on_gpu: bool) -> list:
+    """Token counts of the warm-up forwards an instance runs before it reports ready (config parameter
+    COLIBRI_WARMUP, 'yes' (default) or 'no': none). On a GPU the kernels differ with the tokens per
+    expert, so decode to a full batch (capped at max_batch_size); on the CPU one token is enough."""
+    config = json.loads(args["model_config"])
+    text = config.get("parameters", {}).get("COLIBRI_WARMUP", {}).get("string_value", "yes").strip().lower()
     if text not in ("yes", "no"):
         raise ValueError(f"config parameter COLIBRI_WARMUP: {text!r} is not 'yes' or 'no'")
-    return text == "yes"
+    if text == "no":
+        return []
+    most = int(config.get("max_batch_size", 0)) or 4096
+    return sorted({min(t, most) for t in (1, 64, 512, 4096)}) if on_gpu else [1]
 
 
-_ACTIVATION_TYPES = {"TYPE_FP32": "fp32", "TYPE_FP16": "fp16", "TYPE_BF16": "bf16"}
+# Activation dtypes as Triton's config names them (`colibri serve --dtype` writes these too).
+TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
 
 
 def activation_dtype(args: dict) -> str:
     """The dtype of hidden_states on the wire ('fp32' | 'fp16' | 'bf16'), from the loaded config."""
     for tensor in json.loads(args["model_config"]).get("input", []):
         if tensor.get("name") == "hidden_states":
-            return _ACTIVATION_TYPES.get(tensor.get("data_type"), "fp32")
+            return next((d for d, t in TRITON_DTYPES.items() if t == tensor.get("data_type")), "fp32")
     return "fp32"
 
 

@@ -11,7 +11,6 @@ only its own token's output), so the other requests' answers come from the same 
 tokens were computed, so the expert counters count them.
 Tensors move through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
 """
-import json
 import os
 import time
 
@@ -84,10 +83,8 @@ class DeviceBatch:
         if where not in self.arrivals:
             self.arrivals.add(where)
             pb_utils.Logger.log_info(f"colibri_moe: first request whose inputs arrived in {where}")
-        views = []
-        for t in tensors:
-            views.append(take(t.name(), t.to_dlpack()))
-            keep.append(views[-1])
+        views = [take(t.name(), t.to_dlpack()) for t in tensors]
+        keep.extend(views)
         first = views[0]
         here = (colibri.dlpack.KDL_CUDA, self.device_id)
         if len(views) == 1 and (first.device_type, first.device_id) == here:
@@ -168,10 +165,8 @@ class TritonPythonModel:
                 kind=families.HISTOGRAM)
             self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
         pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
-        if triton_config.warmup(args):
-            # On a GPU the kernels differ with the tokens per expert: cover decode to a full batch.
-            most = int(json.loads(args["model_config"]).get("max_batch_size", 0)) or 4096
-            counts = sorted({min(t, most) for t in (1, 64, 512, 4096)}) if on_gpu else [1]
+        counts = triton_config.warmup_tokens(args, on_gpu)
+        if counts:
             seconds = self._warm_up(triton_config.activation_dtype(args), counts)
             pb_utils.Logger.log_info(f"colibri_moe: warm-up forwards ({counts} tokens) took {seconds * 1e3:.1f} ms")
 
@@ -196,9 +191,7 @@ class TritonPythonModel:
                 for count in ((1, 2) if tokens == 1 else (1,)):  # one request alone, then two joined
                     keep = []
                     try:
-                        out, _ = self._compute([(i, inputs) for i in range(count)], keep)
-                        if count > 1:
-                            self.batch.rows(out, 0, 1)
+                        self._compute([(i, inputs) for i in range(count)], keep)
                     finally:
                         for view in keep:
                             view.release()
