@@ -474,10 +474,8 @@ static bool wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
 /* The streaming projections (wg_streaming) of at most this many k elements run wgmma_ws_kernel's DRAIN
  * kernel (4 stages in flight, each stage's products waited for): measured on an H200,
  * DeepSeek-V2-Lite / Qwen1.5-MoE T = 1024 1.01-1.02x, T = 256 1.00-1.02x; on Mixtral (k = 4096 and 14336)
- * T = 256 0.99x, and 0.98-0.99x even with its products left out. 0: never (timing). */
-#ifndef WS_DRAIN_MAX_K
+ * T = 256 0.99x, and 0.98-0.99x even with its products left out. */
 #define WS_DRAIN_MAX_K 2048
-#endif
 
 #if COLIBRI_TMA
 static bool ws_multicast(const colibri_moe_config_t *c, const CudaBackend *b, int64_t assignments) {
@@ -604,7 +602,6 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
             ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
             const int clusters = ws_multicast(&ctx->cfg, b, assignments) ? b->ws_clusters : 0;
-#if COLIBRI_WS_CHAIN
             /* a SWIGLU forward's two projections chained per tile (wgmma.cuh, ws_chain_wait): both run here, the
              * maps of both having encoded at init (ws_fold; below, a table of 128-row tiles that does not
              * run here is refused); the second waits for the first's column blocks of F in each tile. Where
@@ -619,7 +616,6 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
                 a.ready = b->ws_ready;
                 a.ready_need = GLU ? 0 : up_blocks;
             }
-#endif
             const bool drain = wg_streaming(&ctx->cfg, assignments) && k <= WS_DRAIN_MAX_K;
             return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, clusters, drain, stream);
         }
@@ -725,9 +721,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
  * 60-64, k = 4-6, and for Mixtral from T = 16; 67-79% of the fine-grained experts at T = 16), a small
  * kernel running beside the router fetches into L2 the first k steps of the weight rows the first wave
  * of blocks starts on, about COLIBRI_PREFETCH_BYTES of them (L2: 50 MB on an H100/H200). */
-#ifndef COLIBRI_PREFETCH_BYTES
 #define COLIBRI_PREFETCH_BYTES (24u << 20)
-#endif
 #define PREFETCH_THREADS 256
 /* Shared memory of an H100/H200 SM, for the blocks of the 32- and 64-row kernels one SM holds (the
  * 16-row ones have their occupancy measured at setup): the plan runs only on compute capability 9.x,

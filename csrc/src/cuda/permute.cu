@@ -11,9 +11,7 @@
 #include "permute.cuh"
 
 /* Below this, one block permutes faster than the two multi-block launches (docs/performance.md). */
-#ifndef PERMUTE_MULTI_MIN
 #define PERMUTE_MULTI_MIN 4096
-#endif
 
 /* The expert projection may launch once the tile table is written rather than at the start, which ended
  * it 1.7-3.1 us sooner at T = 256; it still waits for this kernel's end before it reads anything. */

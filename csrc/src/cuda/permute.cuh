@@ -25,9 +25,7 @@ struct PermuteArgs {
  * ones (on the cluster kernel the other tile of its pair too, their rings moving in step), a tile of 25-48
  * rows about 0.7 of a whole one or more: two folds paid at Mixtral T=1024 (1.07-1.16x), four lost (0.96x at
  * T=4096: 61-95 rows over 3-4 tiles). Returns m (0: no fold). */
-#ifndef PERMUTE_FOLD_TILES
 #define PERMUTE_FOLD_TILES 2
-#endif
 __device__ __forceinline__ int permute_folds(int c, int tile_m, int absorb) {
     const int q = c / tile_m, r = c % tile_m;
     if (q == 0 || r == 0 || absorb <= 0) return 0;

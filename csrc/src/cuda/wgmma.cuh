@@ -9,11 +9,8 @@
  */
 
 /* wgmma_ws_kernel (below) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
- * build no sm_90a image anyway) it is left out. COLIBRI_WGMMA_WS=0 leaves it out too. */
-#ifndef COLIBRI_WGMMA_WS
-#define COLIBRI_WGMMA_WS 1
-#endif
-#if CUDART_VERSION >= 12000 && COLIBRI_WGMMA_WS
+ * build no sm_90a image anyway) it is left out. */
+#if CUDART_VERSION >= 12000
 #include <cuda.h>
 #define COLIBRI_TMA 1
 #else
@@ -411,10 +408,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
  * extra rows too (below), which leaves no room for wgmma_kernel's 128-column staging buffer. No
  * block-wide barrier after the start: the producer returns when its loads are issued. */
 #define WS_THREADS (WG_THREADS + 128)
-#ifndef WS_PRODUCER_REGS
 #define WS_PRODUCER_REGS 64
 #define WS_CONSUMER_REGS 216
-#endif
 
 /* An expert's last few rows, folded into its last whole tile. permute_scan's `absorb` gives an
  * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows (also
@@ -528,9 +523,6 @@ __device__ __forceinline__ uint32_t ws_full_bar(uint32_t sbase, int slot) {
     return sbase + WG_STAGES * WS_STAGE_BYTES + slot * WS_OUT_ROW_BYTES + WS_OUT_COLS * 2;
 }
 __device__ __forceinline__ uint32_t ws_empty_bar(uint32_t sbase, int slot) { return ws_full_bar(sbase, slot) + 8; }
-#ifndef COLIBRI_WS_DYNAMIC
-#define COLIBRI_WS_DYNAMIC 1 /* 0: wgmma_ws_kernel's items by a fixed stride (timing) */
-#endif
 /* Word `i` of the item words, in the padding of staging row WG_STAGES + i: 0..WG_STAGES-1, the item whose
  * first stage slot i holds (-1: the producer has no more); WG_STAGES and WG_STAGES + 1, the producer's
  * two alternating words of its next item. */
@@ -564,11 +556,7 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
  * fine-grained shapes), else those of its last group handed out first. Its griddepcontrol.wait moves to its
  * end, so that it still completes after the first. The permutation zeroes ready[] with the tile table
  * (permute.cuh). experts.cu's project() says where it runs (F <= 2048, or the cluster kernel); there
- * 0.99-1.04x (Mixtral T=1024-1216 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the same bits.
- * COLIBRI_WS_CHAIN=0: the grid dependency. */
-#ifndef COLIBRI_WS_CHAIN
-#define COLIBRI_WS_CHAIN 1
-#endif
+ * 0.99-1.04x (Mixtral T=1024-1216 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the same bits. */
 __device__ __forceinline__ void ws_chain_signal(unsigned *ready) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready) : "memory");
 }
@@ -752,18 +740,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         /* Items in the order the blocks ask for them (ws_next_item): thread 0 asks one item ahead and the
          * producer warps read its answer through two alternating words of shared memory. */
         unsigned ahead = 0;
-        if (COLIBRI_WS_DYNAMIC && p == 0 && rank == 0 && first < items) ahead = ws_next_item(a.sched);
+        if (p == 0 && rank == 0 && first < items) ahead = ws_next_item(a.sched);
         for (int n_item = 0;; n_item++) {
             const uint32_t word = ws_item_word(sbase, WG_STAGES + (n_item & 1));
             if (p == 0) {
                 int it;
                 if (rank == 0) {
-#if COLIBRI_WS_DYNAMIC
                     it = n_item == 0 ? first : askers + (int)ahead;
                     if (n_item > 0 && it < items) ahead = ws_next_item(a.sched);
-#else
-                    it = first + n_item * askers; /* the fixed stride (timing only) */
-#endif
                 }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
                 if constexpr (MC) {
@@ -798,7 +782,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
                 }
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
-                if (COLIBRI_WS_DYNAMIC && p == 0 && rank == 0) ws_block_done(a.sched, (unsigned)askers);
+                if (p == 0 && rank == 0) ws_block_done(a.sched, (unsigned)askers);
                 break;
             }
             int ti, nb;
