@@ -59,7 +59,7 @@ struct CudaBackend {
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
     unsigned *ws_sched;         /* [4] wgmma_ws_kernel's item counters: 0-1 the first projection's, 2-3 the second's */
-    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (wgmma.cuh, ws_chain_wait) */
+    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (wgmma_ws.cuh, ws_chain_wait) */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
@@ -69,9 +69,9 @@ struct CudaBackend {
     void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
     void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
-    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see experts.cu) */
+    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see mma_experts.cuh) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
-    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma.cuh */
+    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma_kernel.cuh */
     int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int ws_fold;                /* rows past 128 an expert's last tile may take (colibri_cuda_experts_absorb) */
@@ -241,7 +241,7 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
                                              cudaStream_t stream);
 colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
                                              colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream);
-/* experts.cu */
+/* experts.cu and experts_plan.cu */
 colibri_status_t colibri_cuda_experts_setup(CudaBackend *b);
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input);

@@ -17,8 +17,8 @@
 #define GEMV_DIRECT_MAX 256  /* direct mode: at most this many assignments (one per thread of a block) */
 #define GEMV_DIRECT_MAX_E 4096 /* and this many experts (a flag per expert in shared memory) */
 
-/* One projection over expert rows, for the gemv kernel here and the tensor-core kernel (experts.cu),
- * which takes x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
+/* One projection over expert rows, for the gemv kernel here and the tensor-core kernels (mma_experts.cuh,
+ * wgmma*.cuh), which take x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
 struct ProjArgs {
     const char *w;            /* matrix of expert 0: [N, K] weight dtype, row-major */
     size_t w_expert_stride;   /* bytes from one expert's matrix to the next */
@@ -38,7 +38,7 @@ struct ProjArgs {
     int32_t *bad_id;            /* likewise: set when an id is out of range */
     int32_t early;              /* second projection (direct mode, tensor cores): weights loaded before the wait */
     unsigned *sched;            /* wgmma_ws_kernel: its two counters (items asked for, blocks done), 0 between launches */
-    /* wgmma_ws_kernel chained (wgmma.cuh, ws_chain_wait): per tile, the first projection's items stored; the first
+    /* wgmma_ws_kernel chained (wgmma_ws.cuh, ws_chain_wait): per tile, the first projection's items stored; the first
      * projection adds to it (ready_need 0), the second waits for ready_need in it before it reads a tile */
     unsigned *ready;
     int32_t ready_need;

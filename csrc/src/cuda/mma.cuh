@@ -1,11 +1,18 @@
 /*
- * mma.cuh — the pieces of the tensor-core tiles shared by experts.cu (mma_kernel, wgmma.cuh) and route.cu
- * (route_mma_kernel): the XOR-swizzled shared-memory rows, cp.async, ldmatrix, mma.sync m16n8k16.
+ * mma.cuh — the pieces of the tensor-core tiles shared by the expert kernels (mma_experts.cuh,
+ * wgmma*.cuh) and route.cu (route_mma_kernel): the XOR-swizzled shared-memory rows, cp.async, ldmatrix,
+ * mma.sync m16n8k16, the epilogue's packing.
  */
 #ifndef COLIBRI_CUDA_MMA_CUH
 #define COLIBRI_CUDA_MMA_CUH
 
 #include "cuda_backend.cuh"
+
+/* Two floats rounded to T and packed into one 32-bit register (an epilogue's pair of columns). */
+template <class T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    T v[2] = {from_f32<T>(lo), from_f32<T>(hi)};
+    return *reinterpret_cast<uint32_t *>(v);
+}
 
 /* One smem row holds BK 16-bit elements. Chunk c (16 bytes) of row r lives at chunk c ^ (r & 7) for
  * 128-byte rows and c ^ ((r >> 1) & 3) for 64-byte rows: either way the 8 rows one ldmatrix phase reads
