@@ -56,6 +56,7 @@ class Layer:
 
     def __init__(self, path: Path):
         ckpt = checkpoint.load(path)
+        self.ckpt = ckpt  # every tensor of the layer (biases, shared expert) for the reference
         self.config, self.experts = ckpt.config, np.asarray(ckpt.experts)
         self.router = None if ckpt.router is None else np.asarray(ckpt.router)
         self.router_bias = None if ckpt.router_bias is None else np.asarray(ckpt.router_bias)
@@ -71,8 +72,10 @@ class Layer:
         if self.router is None:
             return x
         while True:
-            _, _, scores = reference.route(self.config, x, self.router, self.router_bias)
-            close = reference.topk_margin(scores, self.config.top_k) < MIN_TOPK_MARGIN
+            logits = reference.router_logits(x, self.router, self.ckpt.router_logit_bias)
+            scores = reference.selection_scores(self.config, logits, self.router_bias)
+            close = ((reference.topk_margin(scores, self.config.top_k) < MIN_TOPK_MARGIN)
+                     | (reference.group_margin(self.config, logits, self.router_bias) < MIN_TOPK_MARGIN))
             if not close.any():
                 return x
             x[close] = draw(int(close.sum()))
@@ -85,8 +88,7 @@ class Layer:
         return ids, weights
 
     def expected(self, x, ids=None, weights=None) -> np.ndarray:
-        return reference.moe_forward(self.config, self.experts, x.astype(np.float64), ids, weights,
-                                     self.router, self.router_bias)
+        return reference.checkpoint_forward(self.ckpt, x.astype(np.float64), ids, weights)
 
 
 def requests(layer: Layer, tokens: int, dtype: str, seed: int):

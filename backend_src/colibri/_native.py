@@ -22,6 +22,14 @@ ROUTING_CODES = {
     "sigmoid_bias": lib.COLIBRI_ROUTING_SIGMOID_BIAS,
 }
 DEVICE_CODES = {"cpu": lib.COLIBRI_DEVICE_CPU, "cuda": lib.COLIBRI_DEVICE_CUDA}
+# An extension built before colibri.h gained these enums lacks their names; the values are the header's.
+ACTIVATION_CODES = {"silu": getattr(lib, "COLIBRI_ACTIVATION_SILU", 0),
+                    "swiglu_oai": getattr(lib, "COLIBRI_ACTIVATION_SWIGLU_OAI", 1)}
+GROUP_SCORE_CODES = {"max": getattr(lib, "COLIBRI_GROUP_SCORE_MAX", 0),
+                     "top2_sum": getattr(lib, "COLIBRI_GROUP_SCORE_TOP2_SUM", 1)}
+# colibri_moe_context_create (biases, shared expert, groups, activations) exists in libraries built
+# from the header that declares it; older builds have only colibri_moe_context_init.
+HAS_CONTEXT_CREATE = hasattr(lib, "colibri_moe_context_create")
 
 
 def status_name(status: int) -> str:

@@ -1,11 +1,26 @@
-"""Packed Colibri checkpoints (*.colibri.safetensors), format colibri-moe/1:
+"""Packed Colibri checkpoints (*.colibri.safetensors), format colibri-moe/2:
 
-    experts      [E, expert_numel]  fp32 | fp16 | bf16   row e = expert e (swiglu: gate [F,H], up [F,H],
-                                                         down [H,F]; linear: [F,H]; row-major)
-    router       [E, H] fp32        optional
-    router_bias  [E] fp32           optional (required by sigmoid_bias routing)
-    metadata     format, expert_kind, num_experts, top_k, hidden_size, intermediate_size, routing,
-                 renormalize (true|false), routed_scaling_factor (optional, default 1)
+    experts            [E, expert_numel] fp32 | fp16 | bf16  row e = expert e (swiglu: gate [F,H], up [F,H],
+                                                             down [H,F]; linear: [F,H]; row-major)
+    router             [E, H] fp32       optional
+    router_bias        [E] fp32          optional: added to the selection scores only (DeepSeek-V3's
+                                         e_score_correction_bias); required by sigmoid_bias routing
+    router_logit_bias  [E] fp32          optional: added to the router logits (gpt-oss router.bias)
+    expert_bias        [E, 2F+H] fp32    when expert_bias=true (swiglu: gate F, up F, down H; linear: [E, F])
+    shared_expert      [3*Fs*H]          when shared_intermediate_size=Fs > 0, in the experts' dtype:
+                                         gate [Fs,H], up [Fs,H], down [H,Fs], row-major, back to back
+    shared_expert_gate [H] fp32          when shared_gate=true (the shared expert is scaled by
+                                         sigmoid(shared_expert_gate . x))
+    metadata           format, expert_kind, num_experts, top_k, hidden_size, intermediate_size, routing,
+                       renormalize (true|false), routed_scaling_factor, n_group, topk_group, group_score
+                       (max|top2_sum), activation (silu|swiglu_oai), activation_alpha, activation_limit,
+                       expert_bias (true|false), shared_intermediate_size, shared_gate (true|false)
+
+The semantics of every field are colibri.h's (and colibri.reference's). A tensor is present exactly
+when the metadata asks for it, so nothing in a file goes silently unused. The writer writes version 2.
+Version 1 files (format colibri-moe/1: experts, router, router_bias and the first eight keys) still
+load, as layers without the version-2 features; their router_bias counts only under sigmoid_bias
+routing, as it did. A reader refuses a version it does not know.
 
 Also the synthetic demo checkpoint (`write_demo`)."""
 import dataclasses
@@ -16,11 +31,16 @@ import numpy as np
 from colibri import safetensors_io as st
 from colibri._native import ColibriError, STATUS_INVALID_ARGUMENT
 from colibri.dtypes import from_float
-from colibri.config import EXPERT_KINDS, ROUTINGS, LayerConfig
+from colibri.config import ACTIVATIONS, EXPERT_KINDS, GROUP_SCORES, ROUTINGS, LayerConfig
 
-FORMAT = "colibri-moe/1"
+FORMAT_PREFIX = "colibri-moe/"
+FORMAT_VERSION = 2
+FORMAT = f"{FORMAT_PREFIX}{FORMAT_VERSION}"
+KNOWN_VERSIONS = (1, 2)
 REQUIRED_METADATA = ("expert_kind", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",
                      "renormalize")
+V1_TENSORS = ("experts", "router", "router_bias")
+V2_TENSORS = V1_TENSORS + ("router_logit_bias", "expert_bias", "shared_expert", "shared_expert_gate")
 
 
 @dataclasses.dataclass
@@ -28,13 +48,25 @@ class Checkpoint:
     config: LayerConfig
     experts: np.ndarray                 # [E, expert_numel], read-only view into the mmap
     router: np.ndarray = None           # [E, H] float32
-    router_bias: np.ndarray = None      # [E] float32
+    router_bias: np.ndarray = None      # [E] float32 (selection only)
     file: st.SafetensorsFile = None     # keeps the mmap open
     metadata: dict = None
+    router_logit_bias: np.ndarray = None   # [E] float32
+    expert_bias: np.ndarray = None         # [E, 2F+H] (linear [E, F]) float32
+    shared_expert: np.ndarray = None       # [3*Fs*H], the experts' dtype storage
+    shared_expert_gate: np.ndarray = None  # [H] float32
+
+    @property
+    def version(self) -> int:
+        return format_version(self.metadata or {})
 
 
 def _fail(path, message) -> ColibriError:
     return ColibriError(f"{path}: {message}", STATUS_INVALID_ARGUMENT)
+
+
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
 
 
 def config_metadata(config: LayerConfig) -> dict:
@@ -42,39 +74,78 @@ def config_metadata(config: LayerConfig) -> dict:
         "format": FORMAT, "expert_kind": config.expert_kind, "num_experts": str(config.num_experts),
         "top_k": str(config.top_k), "hidden_size": str(config.hidden_size),
         "intermediate_size": str(config.intermediate_size), "routing": config.routing,
-        "renormalize": "true" if config.renormalize else "false",
+        "renormalize": _flag(config.renormalize),
         "routed_scaling_factor": repr(float(config.routed_scaling_factor)),
+        "n_group": str(config.n_group), "topk_group": str(config.topk_group), "group_score": config.group_score,
+        "activation": config.activation, "activation_alpha": repr(float(config.activation_alpha)),
+        "activation_limit": repr(float(config.activation_limit)), "expert_bias": _flag(config.expert_bias),
+        "shared_intermediate_size": str(config.shared_intermediate_size), "shared_gate": _flag(config.shared_gate),
     }
 
 
-def _parse_config(path, meta, weight_dtype, has_router) -> LayerConfig:
-    if meta.get("format") != FORMAT:
-        raise _fail(path, f"metadata format is {meta.get('format')!r}, expected {FORMAT!r} "
+def format_version(meta: dict):
+    """The version number of a colibri-moe/N format string, or None for anything else."""
+    value = meta.get("format")
+    if isinstance(value, str) and value.startswith(FORMAT_PREFIX) and value[len(FORMAT_PREFIX):].isdigit():
+        return int(value[len(FORMAT_PREFIX):])
+    return None
+
+
+def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
+    version = format_version(meta)
+    known = ", ".join(f"{FORMAT_PREFIX}{v}" for v in KNOWN_VERSIONS)
+    if version is None:
+        raise _fail(path, f"metadata format is {meta.get('format')!r}, expected one of {known} "
                           "(pack a Hugging Face checkpoint with `python -m colibri pack`)")
+    if version not in KNOWN_VERSIONS:
+        raise _fail(path, f"format version {version} ({meta['format']!r}) is not known to this reader, which "
+                          f"reads {known}: it was written by a newer Colibri")
     missing = [key for key in REQUIRED_METADATA if key not in meta]
     if missing:
         raise _fail(path, f"metadata lacks {', '.join(missing)}")
 
-    def integer(key):
+    def integer(key, default=None):
+        if key not in meta and default is not None:
+            return default
         try:
             return int(meta[key])
         except ValueError:
             raise _fail(path, f"metadata {key}={meta[key]!r} is not an integer") from None
-    if meta["expert_kind"] not in EXPERT_KINDS:
-        raise _fail(path, f"metadata expert_kind={meta['expert_kind']!r} is not one of {', '.join(EXPERT_KINDS)}")
-    if meta["routing"] not in ROUTINGS:
-        raise _fail(path, f"metadata routing={meta['routing']!r} is not one of {', '.join(ROUTINGS)}")
-    if meta["renormalize"].lower() not in ("true", "false", "1", "0"):
-        raise _fail(path, f"metadata renormalize={meta['renormalize']!r} is not true or false")
-    try:
-        scaling = float(meta.get("routed_scaling_factor", "1.0"))
-    except ValueError:
-        raise _fail(path, f"metadata routed_scaling_factor={meta['routed_scaling_factor']!r} is not a number") from None
-    config = LayerConfig(
-        expert_kind=meta["expert_kind"], num_experts=integer("num_experts"), top_k=integer("top_k"),
-        hidden_size=integer("hidden_size"), intermediate_size=integer("intermediate_size"),
-        weight_dtype=weight_dtype, routing=meta["routing"], renormalize=meta["renormalize"].lower() in ("true", "1"),
-        routed_scaling_factor=scaling, has_router=has_router)
+
+    def number(key, default):
+        try:
+            value = float(meta.get(key, default))
+        except ValueError:
+            raise _fail(path, f"metadata {key}={meta[key]!r} is not a number") from None
+        return value
+
+    def flag(key, default="false"):
+        value = meta.get(key, default)
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise _fail(path, f"metadata {key}={value!r} is not true or false")
+        return value.lower() in ("true", "1")
+
+    def choice(key, choices, default):
+        value = meta.get(key, default)
+        if value not in choices:
+            raise _fail(path, f"metadata {key}={value!r} is not one of {', '.join(choices)}")
+        return value
+
+    fields = dict(
+        expert_kind=choice("expert_kind", EXPERT_KINDS, None), num_experts=integer("num_experts"),
+        top_k=integer("top_k"), hidden_size=integer("hidden_size"), intermediate_size=integer("intermediate_size"),
+        weight_dtype=weight_dtype, routing=choice("routing", ROUTINGS, None), renormalize=flag("renormalize"),
+        routed_scaling_factor=number("routed_scaling_factor", "1.0"), has_router="router" in tensors)
+    if version >= 2:
+        # Keys a v2 writer always writes; read with the defaults that mean "absent" all the same.
+        fields.update(
+            n_group=integer("n_group", 1), topk_group=integer("topk_group", 1),
+            group_score=choice("group_score", GROUP_SCORES, "max"),
+            activation=choice("activation", ACTIVATIONS, "silu"),
+            activation_alpha=number("activation_alpha", "1.702"), activation_limit=number("activation_limit", "7.0"),
+            expert_bias=flag("expert_bias"), shared_intermediate_size=integer("shared_intermediate_size", 0),
+            shared_gate=flag("shared_gate"), has_router_logit_bias="router_logit_bias" in tensors)
+    config = LayerConfig(**fields)
     try:
         config.validate()
     except ColibriError as exc:
@@ -102,36 +173,84 @@ def _open(path):
     weight_dtype = st.SAFETENSORS_TO_COLIBRI.get(info.dtype)
     if weight_dtype is None:
         raise _fail(path, f"tensor 'experts' has dtype {info.dtype}, expected F32, F16 or BF16")
-    return file, _parse_config(path, file.metadata, weight_dtype, "router" in file)
+    return file, _parse_config(path, file.metadata, weight_dtype, file.tensors)
 
 
 def load(path) -> Checkpoint:
     """Opens and checks a packed checkpoint; the tensors are views into a read-only memory map."""
     path = pathlib.Path(path)
     file, config = _open(path)
+    version = format_version(file.metadata)
     E, H = config.num_experts, config.hidden_size
     expected = {"experts": (E, config.expert_numel), "router": (E, H), "router_bias": (E,)}
+    if version >= 2:
+        unknown = sorted(set(file.tensors) - set(V2_TENSORS))
+        if unknown:
+            raise _fail(path, f"unknown tensor {unknown[0]!r} (a colibri-moe/2 file holds {', '.join(V2_TENSORS)})")
+        wanted = {"expert_bias": config.expert_bias, "shared_expert": config.shared_intermediate_size > 0,
+                  "shared_expert_gate": config.shared_gate}
+        for name, asked in wanted.items():
+            if asked and name not in file:
+                raise _fail(path, f"the metadata asks for tensor {name!r} but the file has none")
+            if name in file and not asked:
+                raise _fail(path, f"tensor {name!r} is present but the metadata does not ask for it "
+                                  "(it would go unused)")
+        if "router_logit_bias" in file and "router" not in file:
+            raise _fail(path, "tensor 'router_logit_bias' without a 'router'")
+        expected.update(router_logit_bias=(E,), expert_bias=(E, config.expert_bias_width),
+                        shared_expert=(config.shared_numel,), shared_expert_gate=(H,))
     for name, shape in expected.items():
         if name in file and file.tensors[name].shape != shape:
             raise _fail(path, f"tensor {name!r} has shape {list(file.tensors[name].shape)}, expected {list(shape)}")
-        if name != "experts" and name in file and file.tensors[name].dtype != "F32":
+        if name not in ("experts", "shared_expert") and name in file and file.tensors[name].dtype != "F32":
             raise _fail(path, f"tensor {name!r} has dtype {file.tensors[name].dtype}, expected F32")
+    if "shared_expert" in file and file.tensors["shared_expert"].dtype != file.tensors["experts"].dtype:
+        raise _fail(path, f"tensor 'shared_expert' has dtype {file.tensors['shared_expert'].dtype}, expected the "
+                          f"experts' {file.tensors['experts'].dtype}")
     if config.routing == "sigmoid_bias" and "router" in file and "router_bias" not in file:
         raise _fail(path, "sigmoid_bias routing needs a 'router_bias' tensor")
-    router = file.get("router") if "router" in file else None
-    bias = file.get("router_bias") if "router_bias" in file else None
-    return Checkpoint(config, file.get("experts"), router, bias, file, dict(file.metadata))
+
+    def get(name):
+        return file.get(name) if name in file else None
+    router_bias = get("router_bias")
+    if version == 1 and config.routing != "sigmoid_bias":
+        router_bias = None  # colibri-moe/1 used it for sigmoid_bias routing only
+    return Checkpoint(config, file.get("experts"), get("router"), router_bias, file, dict(file.metadata),
+                      get("router_logit_bias"), get("expert_bias"), get("shared_expert"), get("shared_expert_gate"))
 
 
-def save(path, config: LayerConfig, experts, router=None, router_bias=None, extra_metadata=None) -> None:
-    """Writes a packed checkpoint; `experts` may be an array or a safetensors_io.LazyTensor."""
+def save(path, config: LayerConfig, experts, router=None, router_bias=None, extra_metadata=None,
+         router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None) -> None:
+    """Writes a packed checkpoint (format colibri-moe/2); `experts` and `shared_expert` may be arrays
+    (in the weight dtype's storage) or safetensors_io.LazyTensors. The config's flags must match the
+    tensors given (config.has_router_logit_bias follows router_logit_bias)."""
+    config = dataclasses.replace(config, has_router=router is not None,
+                                 has_router_logit_bias=router_logit_bias is not None)
     config.validate()
+    for name, value, asked in (("expert_bias", expert_bias, config.expert_bias),
+                               ("shared_expert", shared_expert, config.shared_intermediate_size > 0),
+                               ("shared_expert_gate", shared_expert_gate, config.shared_gate)):
+        if (value is not None) != asked:
+            raise ColibriError(f"{path}: {name} {'missing' if asked else 'given'} but the config "
+                               f"{'asks for it' if asked else 'does not ask for it'}", STATUS_INVALID_ARGUMENT)
+    if router_logit_bias is not None and router is None:
+        raise ColibriError(f"{path}: router_logit_bias given without a router", STATUS_INVALID_ARGUMENT)
+    dtype = st.COLIBRI_TO_SAFETENSORS[config.weight_dtype]
     tensors = {"experts": experts if isinstance(experts, st.LazyTensor)
-               else (st.COLIBRI_TO_SAFETENSORS[config.weight_dtype], np.asarray(experts).reshape(config.num_experts, -1))}
+               else (dtype, np.asarray(experts).reshape(config.num_experts, -1))}
+    if shared_expert is not None:  # beside the experts: same dtype, so it stays aligned as they are
+        tensors["shared_expert"] = shared_expert if isinstance(shared_expert, st.LazyTensor) \
+            else (dtype, np.asarray(shared_expert).reshape(-1))
     if router is not None:
         tensors["router"] = np.asarray(router, np.float32)
     if router_bias is not None:
         tensors["router_bias"] = np.asarray(router_bias, np.float32)
+    if router_logit_bias is not None:
+        tensors["router_logit_bias"] = np.asarray(router_logit_bias, np.float32)
+    if expert_bias is not None:
+        tensors["expert_bias"] = np.asarray(expert_bias, np.float32).reshape(config.num_experts, -1)
+    if shared_expert_gate is not None:
+        tensors["shared_expert_gate"] = np.asarray(shared_expert_gate, np.float32).reshape(-1)
     st.write(path, tensors, {**(extra_metadata or {}), **config_metadata(config)})
 
 

@@ -5,11 +5,13 @@ import math
 
 import numpy as np
 
-from colibri._native import EXPERT_KIND_CODES, ROUTING_CODES, invalid
+from colibri._native import ACTIVATION_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES, ROUTING_CODES, invalid
 from colibri.dtypes import FLOAT_DTYPES
 
 ROUTINGS = tuple(ROUTING_CODES)
 EXPERT_KINDS = tuple(EXPERT_KIND_CODES)
+ACTIVATIONS = tuple(ACTIVATION_CODES)
+GROUP_SCORES = tuple(GROUP_SCORE_CODES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,17 @@ class LayerConfig:
     renormalize: bool = True
     routed_scaling_factor: float = 1.0
     has_router: bool = False
+    # Defaults below mean "absent": a layer with them computes what a colibri-moe/1 layer computes.
+    n_group: int = 1                       # group-limited routing when > 1 (E % n_group == 0)
+    topk_group: int = 1                    # groups kept, 1 <= topk_group <= n_group
+    group_score: str = "max"               # 'max' | 'top2_sum'
+    activation: str = "silu"               # 'silu' | 'swiglu_oai' (swiglu experts only)
+    activation_alpha: float = 1.702        # swiglu_oai only
+    activation_limit: float = 7.0          # swiglu_oai only
+    expert_bias: bool = False              # fp32 biases [E, 2F+H] (swiglu) or [E, F] (linear)
+    shared_intermediate_size: int = 0      # Fs: a shared SiLU SwiGLU expert when > 0
+    shared_gate: bool = False              # shared expert output times sigmoid(shared_gate . x)
+    has_router_logit_bias: bool = False    # router_logit_bias [E] added to the logits
 
     @property
     def out_features(self) -> int:
@@ -59,3 +72,53 @@ class LayerConfig:
             raise bad("renormalize", "a bool")
         if not (math.isfinite(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
             raise bad("routed_scaling_factor", "a finite number > 0")
+        E = self.num_experts
+        if not _is_int(self.n_group) or not 1 <= self.n_group <= E or E % self.n_group:
+            raise bad("n_group", f"an integer >= 1 dividing num_experts={E}")
+        if not _is_int(self.topk_group) or not 1 <= self.topk_group <= self.n_group:
+            raise bad("topk_group", f"an integer in [1, n_group={self.n_group}]")
+        if self.top_k > self.topk_group * (E // self.n_group):
+            raise invalid(f"config.top_k: {self.top_k} experts cannot be chosen from topk_group={self.topk_group} "
+                          f"groups of {E // self.n_group}")
+        if self.group_score not in GROUP_SCORES:
+            raise bad("group_score", " | ".join(GROUP_SCORES))
+        if self.group_score == "top2_sum" and self.n_group > 1 and E // self.n_group < 2:
+            raise invalid(f"config.group_score: top2_sum needs groups of >= 2 experts, got {E // self.n_group}")
+        if self.activation not in ACTIVATIONS:
+            raise bad("activation", " | ".join(ACTIVATIONS))
+        if self.activation != "silu" and self.expert_kind != "swiglu":
+            raise invalid(f"config.activation: {self.activation} applies to swiglu experts, not {self.expert_kind}")
+        for field in ("activation_alpha", "activation_limit"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float, np.floating)) or not (math.isfinite(value) and value > 0):
+                raise bad(field, "a finite number > 0")
+        for field in ("expert_bias", "shared_gate", "has_router_logit_bias"):
+            if not isinstance(getattr(self, field), (bool, np.bool_)):
+                raise bad(field, "a bool")
+        if not _is_int(self.shared_intermediate_size) or not 0 <= self.shared_intermediate_size < 2**31:
+            raise bad("shared_intermediate_size", "an integer >= 0")
+        if self.shared_intermediate_size and self.expert_kind != "swiglu":
+            raise invalid("config.shared_intermediate_size: a shared expert needs swiglu experts (its output is [T, H])")
+        if self.shared_gate and not self.shared_intermediate_size:
+            raise invalid("config.shared_gate: set without a shared expert (shared_intermediate_size is 0)")
+
+    @property
+    def expert_bias_width(self) -> int:
+        """Biases per expert: swiglu gate F + up F + down H; linear F."""
+        F = self.intermediate_size
+        return 2 * F + self.hidden_size if self.expert_kind == "swiglu" else F
+
+    @property
+    def shared_numel(self) -> int:
+        """Elements of the shared expert: gate [Fs,H] + up [Fs,H] + down [H,Fs]."""
+        return 3 * self.shared_intermediate_size * self.hidden_size
+
+    @property
+    def uses_v2_features(self) -> bool:
+        """Whether the layer needs more than colibri_moe_context_init (and colibri-moe/1) can express."""
+        return (self.n_group > 1 or self.activation != "silu" or self.expert_bias or self.shared_intermediate_size > 0
+                or self.has_router_logit_bias)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

@@ -12,8 +12,9 @@ import threading
 import numpy as np
 
 from colibri import dlpack
-from colibri._native import (DEVICE_CODES, DTYPE_CODES, EXPERT_KIND_CODES, ROUTING_CODES, STATUS_OK,
-                             STATUS_ROUTING, ColibriError, check, ffi, invalid, lib)
+from colibri._native import (ACTIVATION_CODES, DEVICE_CODES, DTYPE_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES,
+                             HAS_CONTEXT_CREATE, ROUTING_CODES, STATUS_OK, STATUS_ROUTING, STATUS_UNSUPPORTED,
+                             ColibriError, check, ffi, invalid, lib)
 from colibri.config import LayerConfig
 from colibri.dtypes import FLOAT_DTYPES, STORAGE
 
@@ -38,17 +39,28 @@ def _float_array(name: str, value, shape) -> np.ndarray:
     return array
 
 
+def _pointer(ctype: str, array):
+    """A cffi pointer to a host array's data, NULL for None."""
+    return ffi.NULL if array is None else ffi.cast(ctype, array.__array_interface__["data"][0])
+
+
 class MoELayer:
     """One MoE layer on 'cpu' or 'cuda' (device_id). See forward() for how inputs are taken.
 
     experts: host array [E, expert_numel] in config.weight_dtype (bf16 as uint16 bits); on the CPU it
     is used in place (kept referenced by the layer), on CUDA copied to the GPU once.
-    router [E, H] and router_bias [E]: host float arrays, copied. routing_fn (CPU only): a Python
-    function (hidden_states [T, H] numpy (bf16 as uint16), router_logits [T, E] float32 or None) ->
-    (topk_ids [T, k], topk_weights [T, k]) replacing the built-in routing."""
+    router [E, H], router_bias [E] (selection only), router_logit_bias [E] (added to the logits),
+    expert_bias [E, 2F+H] (linear [E, F]) and shared_expert_gate [H]: host float arrays, copied.
+    shared_expert [3*Fs*H] (gate, up, down): host array in weight_dtype storage, used in place on the
+    CPU like the experts. Each of expert_bias, shared_expert and shared_expert_gate is given exactly
+    when config asks for it (config.expert_bias, shared_intermediate_size, shared_gate); see colibri.h.
+    routing_fn (CPU only): a Python function (hidden_states [T, H] numpy (bf16 as uint16),
+    router_logits [T, E] float32 or None) -> (topk_ids [T, k], topk_weights [T, k]) replacing the
+    built-in routing."""
 
     def __init__(self, config: LayerConfig, experts, router=None, router_bias=None, device="cpu", device_id=0,
-                 workspace_tokens=0, num_threads=0, routing_fn=None, _keepalive=None):
+                 workspace_tokens=0, num_threads=0, routing_fn=None, _keepalive=None, router_logit_bias=None,
+                 expert_bias=None, shared_expert=None, shared_expert_gate=None):
         config.validate()
         device, device_id = _parse_device(device, device_id)
         E, H = config.num_experts, config.hidden_size
@@ -63,6 +75,30 @@ class MoELayer:
         router = None if router is None else _float_array("router", router, (E, H))
         if router_bias is not None:
             router_bias = _float_array("router_bias", router_bias, (E,))
+        if router_logit_bias is not None:
+            if router is None:
+                raise invalid("router_logit_bias: given without a router")
+            router_logit_bias = _float_array("router_logit_bias", router_logit_bias, (E,))
+        for name, value, field in (("expert_bias", expert_bias, "expert_bias"),
+                                   ("shared_expert", shared_expert, "shared_intermediate_size"),
+                                   ("shared_expert_gate", shared_expert_gate, "shared_gate")):
+            asked = bool(getattr(config, field))
+            if (value is not None) != asked:  # nothing given goes unused, nothing asked for is missing
+                raise invalid(f"{name}: {'missing' if asked else 'given'}, but config.{field} is "
+                              f"{getattr(config, field)!r}")
+        if expert_bias is not None:
+            expert_bias = _float_array("expert_bias", np.asarray(expert_bias), (E, config.expert_bias_width))
+        if shared_expert_gate is not None:
+            shared_expert_gate = _float_array("shared_expert_gate", np.asarray(shared_expert_gate).reshape(-1), (H,))
+        if shared_expert is not None:
+            shared_expert = np.asarray(shared_expert)
+            if shared_expert.dtype != storage:
+                raise invalid(f"shared_expert: weight_dtype {config.weight_dtype} is stored as {storage}, "
+                              f"got {shared_expert.dtype}")
+            if shared_expert.size != config.shared_numel:
+                raise invalid(f"shared_expert: expected {config.shared_numel} elements (3 * Fs={config.shared_intermediate_size}"
+                              f" * H={H}), got {shared_expert.size}")
+            shared_expert = np.require(shared_expert.reshape(-1), requirements=["C", "A"])
         if config.routing == "sigmoid_bias" and router is not None and router_bias is None and routing_fn is None:
             raise invalid(f"router_bias: sigmoid_bias routing needs router_bias [{E}]")
         if routing_fn is not None and device != "cpu":
@@ -71,7 +107,12 @@ class MoELayer:
             if not isinstance(value, (int, np.integer)) or value < 0:
                 raise invalid(f"{name}: expected an integer >= 0, got {value!r}")
 
-        self.config = dataclasses.replace(config, has_router=router is not None)
+        self.config = dataclasses.replace(config, has_router=router is not None,
+                                          has_router_logit_bias=router_logit_bias is not None)
+        if self.config.uses_v2_features and not HAS_CONTEXT_CREATE:
+            raise ColibriError("this libcolibri has no colibri_moe_context_create (built before shared experts, "
+                               "expert biases, router logit biases, group-limited routing and swiglu_oai): "
+                               "rebuild it with `make`", STATUS_UNSUPPORTED)
         self.device = device if device == "cpu" else f"cuda:{device_id}"
         self.device_id = device_id
         self._device_type = dlpack.KDL_CPU if device == "cpu" else dlpack.KDL_CUDA
@@ -94,14 +135,32 @@ class MoELayer:
             cfg.routing_fn, cfg.routing_user_data = lib.colibri_py_routing_fn, self._handle
         offsets = ffi.new("uint64_t[]", [e * config.expert_numel for e in range(E)])
         out = ffi.new("colibri_moe_context_t **")
-        check(lib.colibri_moe_context_init(
-            out, cfg, ffi.cast("void *", experts.__array_interface__["data"][0]), offsets, experts.size,
-            ffi.NULL if router is None else ffi.cast("float *", router.__array_interface__["data"][0]),
-            ffi.NULL if router_bias is None else ffi.cast("float *", router_bias.__array_interface__["data"][0])),
-            "colibri_moe_context_init")
+        if HAS_CONTEXT_CREATE:
+            cfg.n_group, cfg.topk_group = config.n_group, config.topk_group
+            cfg.group_score = GROUP_SCORE_CODES[config.group_score]
+            cfg.activation = ACTIVATION_CODES[config.activation]
+            cfg.activation_alpha, cfg.activation_limit = config.activation_alpha, config.activation_limit
+            cfg.expert_bias = int(bool(config.expert_bias))
+            cfg.shared_intermediate_size = config.shared_intermediate_size
+            cfg.shared_gate = int(bool(config.shared_gate))
+            weights = ffi.new("colibri_moe_weights_t *")
+            weights.expert_weights = _pointer("void *", experts)
+            weights.expert_offsets, weights.expert_weights_numel = offsets, experts.size
+            weights.expert_bias = _pointer("float *", expert_bias)
+            weights.router_weight = _pointer("float *", router)
+            weights.router_logit_bias = _pointer("float *", router_logit_bias)
+            weights.router_bias = _pointer("float *", router_bias)
+            weights.shared_weights = _pointer("void *", shared_expert)
+            weights.shared_gate_weight = _pointer("float *", shared_expert_gate)
+            check(lib.colibri_moe_context_create(out, cfg, weights), "colibri_moe_context_create")
+        else:
+            check(lib.colibri_moe_context_init(
+                out, cfg, _pointer("void *", experts), offsets, experts.size, _pointer("float *", router),
+                _pointer("float *", router_bias)), "colibri_moe_context_init")
         self._ctx = ffi.gc(out[0], lib.colibri_moe_context_destroy)
         # On the CPU the context borrows the weights: they (and the mmap under them) live as long as it.
         self._experts = experts
+        self._shared_expert = shared_expert
         self._keepalive = _keepalive
 
     @classmethod
@@ -111,7 +170,9 @@ class MoELayer:
         ckpt = load(path)
         try:
             return cls(ckpt.config, ckpt.experts, ckpt.router, ckpt.router_bias, device=device, device_id=device_id,
-                       workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file)
+                       workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file,
+                       router_logit_bias=ckpt.router_logit_bias, expert_bias=ckpt.expert_bias,
+                       shared_expert=ckpt.shared_expert, shared_expert_gate=ckpt.shared_expert_gate)
         except ColibriError as error:  # e.g. a NaN in the router: say which file holds it
             raise ColibriError(f"{path}: {error.args[0]}", error.status) from error
 

@@ -1,25 +1,69 @@
 """The float64 reference of an MoE layer: plain numpy following colibri.h's documented semantics, for
 tests and for checking checkpoints. Inputs are float arrays (bf16 callers widen their uint16 bits
-first with colibri.dtypes.to_float32); expert weights are taken in their storage dtype."""
+first with colibri.dtypes.to_float32); expert and shared-expert weights are taken in their storage
+dtype.
+
+Routing (colibri.h, colibri_routing_t): logits l = W x + router_logit_bias; a score p = softmax(l),
+l or sigmoid(l); the selection score s = p + router_bias; with n_group > 1 only the experts of the
+topk_group best groups (group score: max of s, or the sum of its two highest) can be chosen; ids = the
+k highest s; weights p[ids] (topk_softmax: softmax(l[ids])), renormalised for softmax_topk and
+sigmoid_bias when asked, times routed_scaling_factor. The shared expert, when there is one, is added
+with weight 1 or sigmoid(shared_gate . x)."""
 import numpy as np
 
 from colibri.dtypes import to_float64
 
 
-def router_logits(x, router) -> np.ndarray:
-    """l = x @ router.T in float64: [T, E]."""
-    return np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+def router_logits(x, router, router_logit_bias=None) -> np.ndarray:
+    """l = x @ router.T (+ router_logit_bias) in float64: [T, E]."""
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64).T
+    if router_logit_bias is not None:
+        logits = logits + np.asarray(router_logit_bias, np.float64)
+    return logits
 
 
-def selection_scores(config, logits, router_bias=None) -> np.ndarray:
-    """The scores top-k selects on: softmax(l), l, or sigmoid(l) + router_bias."""
+def gate_scores(config, logits) -> np.ndarray:
+    """p: softmax(l), l or sigmoid(l) per the routing."""
     if config.routing == "softmax_topk":
         return _softmax(logits)
     if config.routing == "topk_softmax":
         return logits
-    if router_bias is None:
+    return _sigmoid(logits)
+
+
+def raw_selection_scores(config, logits, router_bias=None) -> np.ndarray:
+    """s = p + router_bias, before any group limit."""
+    if config.routing == "sigmoid_bias" and router_bias is None:
         raise ValueError("sigmoid_bias routing needs router_bias")
-    return _sigmoid(logits) + np.asarray(router_bias, np.float64)
+    scores = gate_scores(config, logits)
+    if router_bias is not None:
+        scores = scores + np.asarray(router_bias, np.float64)
+    return scores
+
+
+def group_scores(config, scores) -> np.ndarray:
+    """[T, n_group]: each group's max s, or the sum of its two highest."""
+    grouped = scores.reshape(scores.shape[0], config.n_group, -1)
+    if config.group_score == "max":
+        return grouped.max(axis=2)
+    return -np.sort(-grouped, axis=2)[:, :, :2].sum(axis=2)
+
+
+def kept_experts(config, scores) -> np.ndarray:
+    """[T, E] bool: the experts of the topk_group best groups (all of them without a group limit)."""
+    T, E = scores.shape
+    if config.n_group <= 1:
+        return np.ones((T, E), bool)
+    groups = select_topk(group_scores(config, scores), config.topk_group)
+    kept = np.zeros((T, config.n_group), bool)
+    np.put_along_axis(kept, groups.astype(np.int64), True, axis=1)
+    return np.repeat(kept, E // config.n_group, axis=1)
+
+
+def selection_scores(config, logits, router_bias=None) -> np.ndarray:
+    """The scores top-k selects on: s = p + router_bias, -inf outside the kept groups."""
+    scores = raw_selection_scores(config, logits, router_bias)
+    return np.where(kept_experts(config, scores), scores, -np.inf)
 
 
 def select_topk(scores, k: int) -> np.ndarray:
@@ -35,16 +79,16 @@ def routing_weights(config, logits, ids) -> np.ndarray:
     if config.routing == "topk_softmax":
         weights = _softmax(picked)
     else:
-        gate = _softmax(logits) if config.routing == "softmax_topk" else _sigmoid(logits)
-        weights = np.take_along_axis(gate, ids.astype(np.int64), axis=1)
+        weights = np.take_along_axis(gate_scores(config, logits), ids.astype(np.int64), axis=1)
         if config.renormalize:
             weights = weights / weights.sum(axis=1, keepdims=True)
     return weights * float(config.routed_scaling_factor)
 
 
-def route(config, x, router, router_bias=None):
-    """(topk_ids int32 [T, k], topk_weights float64 [T, k], selection_scores float64 [T, E])."""
-    logits = router_logits(x, router)
+def route(config, x, router, router_bias=None, router_logit_bias=None):
+    """(topk_ids int32 [T, k], topk_weights float64 [T, k], selection_scores float64 [T, E], -inf
+    outside the kept groups)."""
+    logits = router_logits(x, router, router_logit_bias)
     scores = selection_scores(config, logits, router_bias)
     ids = select_topk(scores, config.top_k)
     return ids, routing_weights(config, logits, ids), scores
@@ -57,7 +101,17 @@ def topk_margin(scores, k: int) -> np.ndarray:
     ordered = -np.sort(-scores, axis=1)[:, :k + 1]
     if ordered.shape[1] < 2:
         return np.full(scores.shape[0], np.inf)
-    return (ordered[:, :-1] - ordered[:, 1:]).min(axis=1)
+    with np.errstate(invalid="ignore"):
+        gaps = ordered[:, :-1] - ordered[:, 1:]
+    return np.nan_to_num(gaps, nan=np.inf).min(axis=1)  # -inf - -inf: both excluded, no tie
+
+
+def group_margin(config, logits, router_bias=None) -> np.ndarray:
+    """Per row, topk_margin of the group scores (inf without a group limit): a row within rounding
+    error may keep a different set of groups."""
+    if config.n_group <= 1 or config.topk_group == config.n_group:
+        return np.full(logits.shape[0], np.inf)
+    return topk_margin(group_scores(config, raw_selection_scores(config, logits, router_bias)), config.topk_group)
 
 
 def expert_weights(config, experts, e: int):
@@ -69,29 +123,73 @@ def expert_weights(config, experts, e: int):
     return row[:F * H].reshape(F, H), row[F * H:2 * F * H].reshape(F, H), row[2 * F * H:].reshape(H, F)
 
 
-def expert_forward(config, weights, x) -> np.ndarray:
-    """One expert on tokens x [n, H] in float64."""
+def shared_weights(config, shared_expert):
+    """The shared expert's gate [Fs,H], up [Fs,H], down [H,Fs] in float64."""
+    H, Fs = config.hidden_size, config.shared_intermediate_size
+    flat = to_float64(np.asarray(shared_expert).reshape(-1), config.weight_dtype)
+    return flat[:Fs * H].reshape(Fs, H), flat[Fs * H:2 * Fs * H].reshape(Fs, H), flat[2 * Fs * H:].reshape(H, Fs)
+
+
+def activation(config, g, u) -> np.ndarray:
+    """act(g, u) of swiglu experts: silu(g) * u, or gpt-oss's clamped (u' + 1) * g' * sigmoid(alpha g')."""
+    if config.activation == "silu":
+        return g * _sigmoid(g) * u
+    limit, alpha = float(config.activation_limit), float(config.activation_alpha)
+    g = np.minimum(g, limit)
+    u = np.clip(u, -limit, limit)
+    return (u + 1.0) * g * _sigmoid(alpha * g)
+
+
+def expert_forward(config, weights, x, bias=None) -> np.ndarray:
+    """One expert on tokens x [n, H] in float64; bias: its row of expert_bias, or None."""
+    F = config.intermediate_size
+    bias = None if bias is None else np.asarray(bias, np.float64)
     if config.expert_kind == "linear":
-        return x @ weights[0].T
+        y = x @ weights[0].T
+        return y if bias is None else y + bias
     gate, up, down = weights
+    g, u = x @ gate.T, x @ up.T
+    if bias is not None:
+        g, u = g + bias[:F], u + bias[F:2 * F]
+    y = activation(config, g, u) @ down.T
+    return y if bias is None else y + bias[2 * F:]
+
+
+def shared_forward(config, shared_expert, x, shared_expert_gate=None) -> np.ndarray:
+    """The shared expert (SiLU SwiGLU, no biases) on x [T, H], times sigmoid(shared_gate . x) if gated."""
+    gate, up, down = shared_weights(config, shared_expert)
     g = x @ gate.T
-    return (g / (1.0 + np.exp(-g)) * (x @ up.T)) @ down.T
+    y = (g * _sigmoid(g) * (x @ up.T)) @ down.T
+    if config.shared_gate:
+        y = y * _sigmoid(x @ np.asarray(shared_expert_gate, np.float64))[:, None]
+    return y
 
 
-def moe_forward(config, experts, x, topk_ids=None, topk_weights=None, router=None, router_bias=None) -> np.ndarray:
-    """output [T, out_features] float64 = sum_j w[t, j] * expert_{ids[t, j]}(x[t]); routing from the
-    router when topk_ids / topk_weights are not given."""
+def moe_forward(config, experts, x, topk_ids=None, topk_weights=None, router=None, router_bias=None,
+                router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None) -> np.ndarray:
+    """output [T, out_features] float64 = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) (+ the shared
+    expert); routing from the router when topk_ids / topk_weights are not given."""
     x = np.asarray(x, np.float64)
     if topk_ids is None:
-        topk_ids, topk_weights, _ = route(config, x, router, router_bias)
+        topk_ids, topk_weights, _ = route(config, x, router, router_bias, router_logit_bias)
     topk_ids = np.asarray(topk_ids)
     topk_weights = np.asarray(topk_weights, np.float64)
     out = np.zeros((x.shape[0], config.out_features))
+    biases = None if expert_bias is None else np.asarray(expert_bias, np.float64).reshape(config.num_experts, -1)
     for e in np.unique(topk_ids):
         tokens, slots = np.nonzero(topk_ids == e)
-        y = expert_forward(config, expert_weights(config, experts, int(e)), x[tokens])
+        y = expert_forward(config, expert_weights(config, experts, int(e)), x[tokens],
+                           None if biases is None else biases[int(e)])
         np.add.at(out, tokens, topk_weights[tokens, slots, None] * y)
+    if config.shared_intermediate_size:
+        out += shared_forward(config, shared_expert, x, shared_expert_gate)
     return out
+
+
+def checkpoint_forward(ckpt, x, topk_ids=None, topk_weights=None) -> np.ndarray:
+    """moe_forward of a loaded colibri.checkpoint.Checkpoint, every tensor it holds taken into account."""
+    return moe_forward(ckpt.config, ckpt.experts, x, topk_ids, topk_weights, ckpt.router, ckpt.router_bias,
+                       ckpt.router_logit_bias, ckpt.expert_bias, ckpt.shared_expert, ckpt.shared_expert_gate)
 
 
 def _softmax(values) -> np.ndarray:

@@ -73,17 +73,21 @@ def assert_close(out, ref, limit: float, what: str = "output") -> None:
         raise AssertionError(f"{what}: {bad}")
 
 
-def routed_reference(config, experts, x64, router, router_bias, library_ids):
+def routed_reference(config, experts, x64, router, router_bias, library_ids, **layer_tensors):
     """The reference output for built-in routing, checking the library's choice of experts.
 
     Rows whose top-k is clear must select exactly the reference's ids (in order); rows with a near-tie
-    may select differently, but only among experts whose score is within TIE_TOLERANCE of the k-th.
+    may select differently, but only among experts whose score is within TIE_TOLERANCE of the k-th
+    (rows whose choice of groups is a near-tie may select any experts). layer_tensors: the other
+    tensors of reference.moe_forward (router_logit_bias, expert_bias, shared_expert, shared_expert_gate).
     Returns (reference output, ids used, weights used, mask of near-tie rows)."""
-    logits = reference.router_logits(x64, router)
+    logits = reference.router_logits(x64, router, layer_tensors.get("router_logit_bias"))
     scores = reference.selection_scores(config, logits, router_bias)
     ids = reference.select_topk(scores, config.top_k)
-    scale = np.maximum(1.0, np.abs(scores).max(axis=1))
-    near = reference.topk_margin(scores, config.top_k) <= TIE_TOLERANCE * scale
+    finite = np.where(np.isfinite(scores), scores, 0.0)
+    scale = np.maximum(1.0, np.abs(finite).max(axis=1))
+    group_near = reference.group_margin(config, logits, router_bias) <= TIE_TOLERANCE * scale
+    near = (reference.topk_margin(scores, config.top_k) <= TIE_TOLERANCE * scale) | group_near
     library_ids = np.asarray(library_ids)
     clear_mismatch = (library_ids != ids).any(axis=1) & ~near
     if clear_mismatch.any():
@@ -93,13 +97,13 @@ def routed_reference(config, experts, x64, router, router_bias, library_ids):
     if near.any():
         kth = -np.sort(-scores[near], axis=1)[:, config.top_k - 1]
         chosen = np.take_along_axis(scores[near], library_ids[near].astype(np.int64), axis=1)
-        if (chosen < (kth - TIE_TOLERANCE * scale[near])[:, None]).any():
+        if (chosen < (kth - TIE_TOLERANCE * scale[near])[:, None])[~group_near[near]].any():
             raise AssertionError("at a near-tie the library chose an expert below the k-th score")
         if any(len(set(row)) != config.top_k for row in library_ids[near].tolist()):
             raise AssertionError("at a near-tie the library chose an expert twice")
         ids = np.where(near[:, None], library_ids, ids)
     weights = reference.routing_weights(config, logits, ids)
-    return reference.moe_forward(config, experts, x64, ids, weights), ids, weights, near
+    return reference.moe_forward(config, experts, x64, ids, weights, **layer_tensors), ids, weights, near
 
 
 def load_script(path, name=None):
