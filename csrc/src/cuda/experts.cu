@@ -10,6 +10,7 @@
 
 #include <type_traits>
 
+#include "activation.cuh"
 #include "experts_plan.cuh"
 #include "gemv.cuh"
 #include "mma_experts.cuh"
@@ -32,29 +33,37 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     b->mma_wide_k = (size_t)optin >= MMA_SMEM_TWO_PER_SM;
     b->mma_long_k = (size_t)optin >= MMA_SMEM_ONE_PER_SM;
     const bool w = b->mma_wide_k, l = b->mma_long_k;
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, true>(w, l)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__nv_bfloat16, false>(w, l)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, true>(w, l)));
-    COLIBRI_CUDA_CHECK((mma_setup_all<__half, false>(w, l)));
+    cudaError_t kernel_setup = cudaSuccess;
+    colibri_for_each_act([&](auto act) {
+        using Act = decltype(act);
+        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__nv_bfloat16, Act>(w, l);
+        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__half, Act>(w, l);
+    });
+    COLIBRI_CUDA_CHECK(kernel_setup);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     b->wgmma = wgmma_available(b->device);
     int major = 0;
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, b->device));
     b->l2_prefetch = major == 9; /* the plan assumes a Hopper L2 and SM (see COLIBRI_PREFETCH_BYTES) */
     if (b->wgmma) {
-        COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, true>()));
-        COLIBRI_CUDA_CHECK((wgmma_setup_one<__nv_bfloat16, false>()));
-        COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, true>()));
-        COLIBRI_CUDA_CHECK((wgmma_setup_one<__half, false>()));
+        colibri_for_each_act([&](auto act) {
+            using Act = decltype(act);
+            if (kernel_setup == cudaSuccess) kernel_setup = wgmma_setup_one<__nv_bfloat16, Act>();
+            if (kernel_setup == cudaSuccess) kernel_setup = wgmma_setup_one<__half, Act>();
+        });
+        COLIBRI_CUDA_CHECK(kernel_setup);
 #if COLIBRI_TMA
         /* the warp-specialised kernel where the driver encodes tensor maps, else wgmma_kernel (also with
          * COLIBRI_CUDA_NO_WS=1: how the harness checks wgmma_kernel on an H100/H200) */
         b->tma_encode = env_on("COLIBRI_CUDA_NO_WS") ? NULL : ws_encode_fn();
         int clusters = -1;
-        if (b->tma_encode && (wgmma_ws_setup_one<__nv_bfloat16, true>(&clusters) != cudaSuccess ||
-                              wgmma_ws_setup_one<__nv_bfloat16, false>(&clusters) != cudaSuccess ||
-                              wgmma_ws_setup_one<__half, true>(&clusters) != cudaSuccess ||
-                              wgmma_ws_setup_one<__half, false>(&clusters) != cudaSuccess)) {
+        bool ws_ok = b->tma_encode != NULL;
+        colibri_for_each_act([&](auto act) {
+            using Act = decltype(act);
+            if (ws_ok) ws_ok = wgmma_ws_setup_one<__nv_bfloat16, Act>(&clusters) == cudaSuccess;
+            if (ws_ok) ws_ok = wgmma_ws_setup_one<__half, Act>(&clusters) == cudaSuccess;
+        });
+        if (b->tma_encode && !ws_ok) {
             (void)cudaGetLastError();
             b->tma_encode = NULL;
         }
@@ -62,12 +71,13 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         b->ws_clusters = b->tma_encode && !env_on("COLIBRI_CUDA_NO_MC") && clusters > 0 ? clusters : 0;
 #endif
     }
-    for (int lk = 0; lk < 2; lk++) {
-        b->mma16_blocks_per_sm[0][0][lk] = mma16_blocks_per_sm<false, MMA_BN>(w, lk && l);
-        b->mma16_blocks_per_sm[0][1][lk] = mma16_blocks_per_sm<false, MMA_NARROW_BN>(w, lk && l);
-        b->mma16_blocks_per_sm[1][0][lk] = mma16_blocks_per_sm<true, MMA_BN>(w, lk && l);
-        b->mma16_blocks_per_sm[1][1][lk] = mma16_blocks_per_sm<true, MMA_NARROW_BN>(w, lk && l);
-    }
+    colibri_for_each_act([&](auto act) {
+        using Act = decltype(act);
+        for (int lk = 0; lk < 2; lk++) {
+            b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
+            b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
+        }
+    });
     return COLIBRI_OK;
 }
 
@@ -83,7 +93,7 @@ template <class TW> static bool ws_maps_encode(const colibri_moe_context_t *ctx,
     a.w_expert_stride = b->expert_stride;
     a.n = F;
     a.k = H;
-    if (c->expert_kind != COLIBRI_EXPERT_SWIGLU) return ws_tensor_map<TW, false>(b->tma_encode, a, c->num_experts, &map);
+    if (!colibri_act_glu(c)) return ws_tensor_map<TW, false>(b->tma_encode, a, c->num_experts, &map);
     a.w_second = mat;
     if (!ws_tensor_map<TW, true>(b->tma_encode, a, c->num_experts, &map)) return false;
     a.w = b->d_weights + 2 * mat;
@@ -115,7 +125,7 @@ void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBacke
 /* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
  * x rows -> out [positions, n], weights at byte offset `first` (and `first + second` for the up matrix of
  * a GLU) inside each expert. `bookkeeping`: this projection keeps the direct mode's counters. */
-template <class TW, class TX, bool GLU>
+template <class TW, class TX, class Act>
 static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments, int32_t tile_m, size_t first,
                            size_t second, int32_t n, int32_t k, const void *x, const int32_t *row_map, void *out,
                            bool x_aligned, const int32_t *direct_ids, bool bookkeeping, cudaStream_t stream) {
@@ -151,34 +161,34 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         slots = active;
     }
     if (tile_m <= GEMV_GROUP) {
-        const size_t row_bytes = (size_t)k * sizeof(TW) * (GLU ? 2 : 1);
+        const size_t row_bytes = (size_t)k * sizeof(TW) * (Act::glu ? 2 : 1);
         const int row_blocks = plan_gemv_row_blocks(b, direct_ids != NULL, row_bytes, slots);
-        return gemv_launch<TW, TX, TW, GLU>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
+        return gemv_launch<TW, TX, TW, Act>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
     }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
 #if COLIBRI_TMA
-        /* GLU: the map takes the up matrix as the gate matrix's next n rows */
+        /* a GLU: the map takes the up matrix as the gate matrix's next n rows */
         CUtensorMap map;
-        if (tile_m == WG_BM && b->tma_encode && (!GLU || second == (size_t)n * k * sizeof(TW)) &&
-            ws_tensor_map<TW, GLU>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
+        if (tile_m == WG_BM && b->tma_encode && (!Act::glu || second == (size_t)n * k * sizeof(TW)) &&
+            ws_tensor_map<TW, Act::glu>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
             const int clusters = plan_ws_clusters(b, &ctx->cfg, assignments);
             const int32_t chain = plan_ws_chain(ctx, direct_ids != NULL, clusters);
             if (chain > 0) {
                 a.ready = b->ws_ready;
-                a.ready_need = GLU ? 0 : chain;
+                a.ready_need = Act::glu ? 0 : chain;
             }
             const bool drain = plan_ws_drain(&ctx->cfg, assignments, k);
-            return wgmma_ws_launch<TW, GLU>(map, a, slots, b->sm_count, clusters, drain, stream);
+            return wgmma_ws_launch<TW, Act>(map, a, slots, b->sm_count, clusters, drain, stream);
         }
         /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
         if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;
 #endif
         if (tile_m == WG_BM && b->wgmma)
-            return wgmma_launch<TW, GLU>(a, slots, b->sm_count, plan_wg_streaming(&ctx->cfg, assignments), stream);
+            return wgmma_launch<TW, Act>(a, slots, b->sm_count, plan_wg_streaming(&ctx->cfg, assignments), stream);
         a.early = !bookkeeping; /* the second projection issues its first weights before its wait */
         bool long_k, narrow;
-        plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, GLU, n, k, &long_k, &narrow);
-        return mma_launch<TW, GLU>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
+        plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
+        return mma_launch<TW, Act>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
     return cudaErrorInvalidValue;
 }
@@ -233,12 +243,11 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
         using TW = typename decltype(tw)::type;
         colibri_dispatch_dtype(act_dtype, [&](auto tx) {
             using TX = typename decltype(tx)::type;
-            if (swiglu)
-                err = project<TW, TX, true>(ctx, assignments, tile_m, 0, mat, F, H, input, b->perm, b->inter,
-                                            in_aligned, direct_ids, true, stream);
-            else
-                err = project<TW, TX, false>(ctx, assignments, tile_m, 0, 0, F, H, input, b->perm, b->y,
-                                             in_aligned, direct_ids, true, stream);
+            colibri_dispatch_act(c, [&](auto act) {
+                using Act = decltype(act);
+                err = project<TW, TX, Act>(ctx, assignments, tile_m, 0, Act::glu ? mat : 0, F, H, input, b->perm,
+                                           swiglu ? b->inter : b->y, in_aligned, direct_ids, true, stream);
+            });
         });
         if (err == cudaSuccess && fold) {
             colibri_dispatch_dtype(out_dtype, [&](auto ta) {
@@ -247,7 +256,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
                                               stream);
             });
         } else if (err == cudaSuccess && swiglu) {
-            err = project<TW, TW, false>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
+            err = project<TW, TW, ActLinear>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
                                          direct_ids, false, stream);
         }
     });

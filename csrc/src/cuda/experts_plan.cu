@@ -6,6 +6,7 @@
  */
 #include <math.h>
 
+#include "activation.cuh"
 #include "experts_plan.cuh"
 #include "mma_experts.cuh"
 #include "wgmma.cuh"
@@ -225,24 +226,24 @@ struct PrefetchWave {
 };
 
 /* The mma_kernel of BM-row tiles and BN columns that mma_launch_bn picks for (wide_k, long_k). */
-template <int BM, bool GLU, int BN> static PrefetchWave mma_wave(const CudaBackend *b, bool long_k) {
-    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
-    const int bk = mma_pick_bk<BM, GLU, BN>(b->mma_wide_k, long_k);
-    const size_t smem = bk == LBK   ? mma_smem_bytes<BM, GLU, LBK, BN>()
-                        : bk == WBK ? mma_smem_bytes<BM, GLU, WBK, BN>()
-                                    : mma_smem_bytes<BM, GLU, 32, BN>();
+template <int BM, class Act, int BN> static PrefetchWave mma_wave(const CudaBackend *b, bool long_k) {
+    constexpr int LBK = mma_bk<BM, Act, BN, true>(), WBK = mma_bk<BM, Act, BN>();
+    const int bk = mma_pick_bk<BM, Act, BN>(b->mma_wide_k, long_k);
+    const size_t smem = bk == LBK   ? mma_smem_bytes<BM, Act, LBK, BN>()
+                        : bk == WBK ? mma_smem_bytes<BM, Act, WBK, BN>()
+                                    : mma_smem_bytes<BM, Act, 32, BN>();
     /* 1 KB of an SM's shared memory is reserved per block */
     const int by_smem = (int)(PREFETCH_SM_SMEM / (smem + 1024)), by_threads = 2048 / (2 * BN);
-    const int per_sm = BM == 16 ? b->mma16_blocks_per_sm[GLU][BN != MMA_BN][long_k]
+    const int per_sm = BM == 16 ? b->mma16_blocks_per_sm[Act::glu][BN != MMA_BN][long_k]
                                 : by_smem < by_threads ? by_smem : by_threads;
     return PrefetchWave{b->sm_count * per_sm, BN, 1, bk * 2};
 }
 
-template <bool GLU> static PrefetchWave mma_wave_of(const CudaBackend *b, int32_t tile_m, bool long_k, bool narrow) {
+template <class Act> static PrefetchWave mma_wave_of(const CudaBackend *b, int32_t tile_m, bool long_k, bool narrow) {
     switch (tile_m) {
-    case 16: return narrow ? mma_wave<16, GLU, MMA_NARROW_BN>(b, long_k) : mma_wave<16, GLU, MMA_BN>(b, long_k);
-    case 32: return mma_wave<32, GLU, MMA_BN>(b, long_k);
-    default: return mma_wave<64, GLU, MMA_BN>(b, long_k);
+    case 16: return narrow ? mma_wave<16, Act, MMA_NARROW_BN>(b, long_k) : mma_wave<16, Act, MMA_BN>(b, long_k);
+    case 32: return mma_wave<32, Act, MMA_BN>(b, long_k);
+    default: return mma_wave<64, Act, MMA_BN>(b, long_k);
     }
 }
 
@@ -255,7 +256,7 @@ template <bool GLU> static PrefetchWave mma_wave_of(const CudaBackend *b, int32_
 static PrefetchWave prefetch_wave(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
-    const bool glu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    const bool glu = colibri_act_glu(c);
     const int64_t assignments = num_tokens * c->top_k;
     if (!b->l2_prefetch || tile_m <= GEMV_GROUP || colibri_dtype_size(c->weight_dtype) != 2) return PrefetchWave{};
     if (tile_m > 64) {
@@ -264,7 +265,9 @@ static PrefetchWave prefetch_wave(const colibri_moe_context_t *ctx, int64_t num_
     }
     bool long_k, narrow;
     plan_mma_variant(b, c, num_tokens, tile_m, glu, c->intermediate_size, c->hidden_size, &long_k, &narrow);
-    return glu ? mma_wave_of<true>(b, tile_m, long_k, narrow) : mma_wave_of<false>(b, tile_m, long_k, narrow);
+    PrefetchWave w;
+    colibri_dispatch_act(c, [&](auto act) { w = mma_wave_of<decltype(act)>(b, tile_m, long_k, narrow); });
+    return w;
 }
 
 /* Tiles come about one per touched expert (tile_m is ~1.5x the mean assignments per expert), more where
@@ -287,7 +290,7 @@ PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_
         col_blocks = ceil(w.blocks / tiles);
     }
     p.experts = (int32_t)fmin(E, ceil(wave_tiles * E / tiles - 1e-9));
-    p.matrices = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? 2 : 1;
+    p.matrices = colibri_act_glu(c) ? 2 : 1;
     p.rows = (int32_t)fmin(n, col_blocks * w.cols);
     const size_t budget = COLIBRI_PREFETCH_BYTES, sets = (size_t)p.experts * p.matrices;
     const size_t row_bytes = (size_t)c->hidden_size * 2;

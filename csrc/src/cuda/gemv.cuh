@@ -1,8 +1,8 @@
 /*
  * gemv.cuh — the memory-bound kernel shared by the router (route.cu) and the few-tokens expert path
  * (experts.cu): out[p, n] = sum_k W[n, k] * x[row(p), k] for a handful of positions p per block.
- * Each warp owns one output row (SWIGLU: the gate and up rows, so silu(g) * u forms in the same pass)
- * and streams it with 16-byte loads against up to MAXNT token rows. blockIdx.x picks the positions: in
+ * Each warp owns one output row (a GLU activation: the gate and up rows, so act(g, u) forms in the same
+ * pass) and streams it with 16-byte loads against up to MAXNT token rows. blockIdx.x picks the positions: in
  * direct mode the block finds its expert among the ids itself (no permute; positions t*k+j), else a
  * tile of permute.cu's table, else (the router) 8 consecutive positions; the router's launch may split
  * K over blockIdx.z (gemv_split_kernel). docs/cuda-design.md ("Decode: the gemv") says why.
@@ -10,7 +10,7 @@
 #ifndef COLIBRI_CUDA_GEMV_CUH
 #define COLIBRI_CUDA_GEMV_CUH
 
-#include "cuda_backend.cuh"
+#include "activation.cuh"
 
 #define GEMV_WARPS 8
 #define GEMV_GROUP 8         /* most positions one pass serves: the largest tile_m of the few-tokens path */
@@ -22,7 +22,7 @@
 struct ProjArgs {
     const char *w;            /* matrix of expert 0: [N, K] weight dtype, row-major */
     size_t w_expert_stride;   /* bytes from one expert's matrix to the next */
-    size_t w_second;          /* GLU: bytes from the gate matrix to the up matrix */
+    size_t w_second;          /* Act::glu: bytes from the gate matrix to the up matrix */
     int32_t n, k;             /* N outputs, K inputs */
     const void *x;            /* rows of K elements */
     const int32_t *row_map;   /* position p reads x row row_map[p] / row_div; NULL: row p / row_div */
@@ -140,7 +140,7 @@ __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_po
 /* One chunk of UNROLL steps of K (a step: 16 bytes per lane and matrix) for NT token rows: every weight
  * load of the chunk issued before the first use. PARTIAL: the chunk may run past kl (the row length,
  * a.k, or a split's K range), and the steps past it are skipped. */
-template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL, bool PARTIAL>
+template <class TW, class TX, int VW, class Act, int NT, int UNROLL, bool PARTIAL>
 __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int k0, int kl,
                                            float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
     constexpr int STEP = 32 * VW;
@@ -150,7 +150,7 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
         /* past K: the chunk's first step again (a hit), keeping the loads unconditional */
         const int k = PARTIAL && k0 + u * STEP >= kl ? k0 : k0 + u * STEP;
         wa[u] = load_stream<TW, VW>(w0 + k);
-        if (GLU) wb[u] = load_stream<TW, VW>(w1 + k);
+        if (Act::glu) wb[u] = load_stream<TW, VW>(w1 + k);
     }
     if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
         pdl_wait();
@@ -166,7 +166,7 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
 #pragma unroll
             for (int i = 0; i < VW; i++) {
                 acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
-                if (GLU) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
+                if (Act::glu) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
             }
         }
     }
@@ -174,7 +174,7 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
 
 /* This warp's row w0 (and w1) dotted with NT token rows xr over elements [0, kl) of each (the pointers
  * already at the range's start), summed over the warp: every lane gets the NT sums. */
-template <class TW, class TX, int VW, bool GLU, int NT, int UNROLL>
+template <class TW, class TX, int VW, class Act, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int lane, int kl,
                                          float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
     constexpr int STEP = 32 * VW;
@@ -186,23 +186,23 @@ __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *c
      * time. Each lane still sums its elements in ascending k: the result does not depend on UNROLL. */
     int k0 = lane * VW;
     for (; k0 + (UNROLL - 1) * STEP < kl; k0 += UNROLL * STEP)
-        gemv_chunk<TW, TX, VW, GLU, NT, UNROLL, false>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
+        gemv_chunk<TW, TX, VW, Act, NT, UNROLL, false>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
     constexpr int TAIL = NT == 1 ? UNROLL : (UNROLL + 1) / 2; /* wider passes: no spills (ptxas -v) */
     for (; k0 < kl; k0 += TAIL * STEP)
-        gemv_chunk<TW, TX, VW, GLU, NT, TAIL, true>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
+        gemv_chunk<TW, TX, VW, Act, NT, TAIL, true>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             acc0[t] += __shfl_xor_sync(0xffffffffu, acc0[t], off);
-            if (GLU) acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], off);
+            if (Act::glu) acc1[t] += __shfl_xor_sync(0xffffffffu, acc1[t], off);
         }
     }
 }
 
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. The K range
  * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
-template <class TW, class TX, class TO, int VW, bool GLU, int NT, int UNROLL>
+template <class TW, class TX, class TO, int VW, class Act, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
                                           int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait) {
     const TX *xr[NT];
@@ -213,14 +213,14 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
         xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k + kb;
     }
     float acc0[NT], acc1[NT];
-    gemv_dot<TW, TX, VW, GLU, NT, UNROLL>(w0 + kb, w1 + kb, xr, lane, kl, acc0, acc1, must_wait);
+    gemv_dot<TW, TX, VW, Act, NT, UNROLL>(w0 + kb, w1 + kb, xr, lane, kl, acc0, acc1, must_wait);
     TO *out = reinterpret_cast<TO *>(out_v);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         if (lane == t && t < count) {
             int out_row, x_row;
             gemv_position(a, s_pos, p0 + t, out_row, x_row);
-            const float v = GLU ? silu_f32(acc0[t]) * acc1[t] : acc0[t];
+            const float v = Act::apply(acc0[t], acc1[t], a);
             out[(size_t)out_row * a.n + n] = from_f32<TO>(v);
         }
     }
@@ -232,32 +232,34 @@ template <int MAXNT> constexpr int gemv_min_blocks() { return MAXNT <= 2 ? 3 : 2
 
 /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
  * projection at decode), else 4 (registers: see the file header) */
-template <int VW, bool GLU, int MAXNT> constexpr int gemv_unroll() { return VW == 1 ? 1 : (GLU || MAXNT > 2) ? 4 : 8; }
+template <int VW, class Act, int MAXNT> constexpr int gemv_unroll() {
+    return VW == 1 ? 1 : (Act::glu || MAXNT > 2) ? 4 : 8;
+}
 
 /* One pass over `count` (<= MAXNT) token rows from position q, with the narrowest gemv_rows that
  * holds them. */
-template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT, int U>
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT, int U>
 __device__ __forceinline__ void gemv_pass(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int q,
                                           int count, int n, int lane, int kb, int kl, void *out, bool &must_wait) {
     if constexpr (MAXNT >= 8)
         if (count > 4) {
-            gemv_rows<TW, TX, TO, VW, GLU, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
             return;
         }
     if constexpr (MAXNT >= 4)
         if (count > 2) {
-            gemv_rows<TW, TX, TO, VW, GLU, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
             return;
         }
     if constexpr (MAXNT >= 2)
         if (count == 2) {
-            gemv_rows<TW, TX, TO, VW, GLU, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
             return;
         }
-    gemv_rows<TW, TX, TO, VW, GLU, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+    gemv_rows<TW, TX, TO, VW, Act, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
 }
 
-template <class TW, class TX, class TO, int VW, bool GLU, int MAXNT>
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
     __shared__ int s_pos_buf[GEMV_DIRECT_MAX];
     bool must_wait = a.ids && a.early;
@@ -289,14 +291,14 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
         p1 = min(p0 + GEMV_GROUP, a.positions);
     }
     const int lane = threadIdx.x & 31;
-    constexpr int U = gemv_unroll<VW, GLU, MAXNT>();
+    constexpr int U = gemv_unroll<VW, Act, MAXNT>();
     /* warp w of the block takes rows n = 8 (blockIdx.y + i gridDim.y) + w: one row unless the launch
      * gave fewer blocks than groups of 8 rows (gemv_launch's row_blocks) */
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
         const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
         for (int q = p0; q < p1; q += MAXNT)
-            gemv_pass<TW, TX, TO, VW, GLU, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
+            gemv_pass<TW, TX, TO, VW, Act, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
                                                     must_wait);
     }
 }
@@ -326,7 +328,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
     }
     __syncthreads();
     const int n0 = blockIdx.x * rows, nr = min(rows, a.n - n0);
-    constexpr int U = gemv_unroll<VW, false, 1>();
+    constexpr int U = gemv_unroll<VW, ActLinear, 1>();
     bool must_wait = true;
     for (int q = warp; q < nr * A; q += GEMV_WARPS) {
         const int r = q / A, i = q - r * A, e = s_e[i];
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
         const TW *w = reinterpret_cast<const TW *>(a.w + (size_t)e * a.w_expert_stride) + (size_t)(n0 + r) * a.k;
         const TW *const xr[1] = {reinterpret_cast<const TW *>(a.x) + (size_t)i * a.k};
         float acc0[1], acc1[1];
-        gemv_dot<TW, TW, VW, false, 1, U>(w, w, xr, lane, a.k, acc0, acc1, must_wait);
+        gemv_dot<TW, TW, VW, ActLinear, 1, U>(w, w, xr, lane, a.k, acc0, acc1, must_wait);
         if (lane == 0) s_y[r][i] = to_f32(from_f32<TW>(acc0[0]));
     }
     if (must_wait) pdl_wait(); /* the weights below: the routing's, visible after the wait */
@@ -374,21 +376,22 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>()
     const int lane = threadIdx.x & 31, kb = (int)blockIdx.z * kchunk, kl = min(kchunk, a.k - kb);
     TO *out = blockIdx.z == 0 ? reinterpret_cast<TO *>(a.out)
                               : part + (size_t)(blockIdx.z - 1) * (size_t)a.positions * (size_t)a.n;
-    constexpr int U = gemv_unroll<VW, false, GEMV_GROUP>();
+    constexpr int U = gemv_unroll<VW, ActLinear, GEMV_GROUP>();
     bool must_wait = false;
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w = reinterpret_cast<const TW *>(a.w) + (size_t)n * a.k;
-        gemv_pass<TW, TX, TO, VW, false, GEMV_GROUP, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out, must_wait);
+        gemv_pass<TW, TX, TO, VW, ActLinear, GEMV_GROUP, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out,
+                                                            must_wait);
     }
 }
 
-template <class TW, class TX, class TO, int VW, bool GLU>
+template <class TW, class TX, class TO, int VW, class Act>
 static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t smem, cudaStream_t stream) {
     switch (tile) {
-    case 1: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 1>, grid, GEMV_WARPS * 32, smem, stream, a);
-    case 2: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 2>, grid, GEMV_WARPS * 32, smem, stream, a);
-    case 4: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 4>, grid, GEMV_WARPS * 32, smem, stream, a);
-    default: return colibri_launch(gemv_kernel<TW, TX, TO, VW, GLU, 8>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 1: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 1>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 2: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 2>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 4: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 4>, grid, GEMV_WARPS * 32, smem, stream, a);
+    default: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 8>, grid, GEMV_WARPS * 32, smem, stream, a);
     }
 }
 
@@ -397,14 +400,14 @@ static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
  * otherwise one element at a time (always the 8-row kernel: those shapes are small). row_blocks > 0:
  * at most that many blocks along the rows, each warp then looping over rows (0: a block per 8 rows). */
-template <class TW, class TX, class TO, bool GLU>
+template <class TW, class TX, class TO, class Act>
 static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, int row_blocks,
                                cudaStream_t stream) {
     const int groups = (a.n + GEMV_WARPS - 1) / GEMV_WARPS;
     const dim3 grid((unsigned)slots, (unsigned)(row_blocks > 0 && row_blocks < groups ? row_blocks : groups));
     const size_t smem = a.ids ? (size_t)a.num_experts * sizeof(int) : 0;
-    if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), GLU>(a, grid, tile, smem, stream);
-    return colibri_launch(gemv_kernel<TW, TX, TO, 1, GLU, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
+    if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), Act>(a, grid, tile, smem, stream);
+    return colibri_launch(gemv_kernel<TW, TX, TO, 1, Act, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
 }
 
 /* The router's launch: no tiles, groups of GEMV_GROUP positions. splits > 1: that many blocks along K
@@ -422,9 +425,9 @@ static cudaError_t gemv_launch_groups(const ProjArgs &a, int64_t slots, bool vec
         return colibri_launch(gemv_split_kernel<TW, TX, TO, 1>, grid, GEMV_WARPS * 32, 0, stream, a, kchunk, part);
     }
     if (vec)
-        return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), false, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0,
+        return colibri_launch(gemv_kernel<TW, TX, TO, 16 / sizeof(TW), ActLinear, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0,
                               stream, a);
-    return colibri_launch(gemv_kernel<TW, TX, TO, 1, false, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0, stream, a);
+    return colibri_launch(gemv_kernel<TW, TX, TO, 1, ActLinear, GEMV_GROUP>, grid, GEMV_WARPS * 32, 0, stream, a);
 }
 
 #endif /* COLIBRI_CUDA_GEMV_CUH */

@@ -24,8 +24,8 @@
 #define MMA_NARROW_BN 64
 
 template <int BM> constexpr int mma_warps_m() { return BM >= 32 ? 2 : 1; }
-template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_bytes() {
-    return (size_t)(BM + BN * (GLU ? 2 : 1)) * BK * 2;
+template <int BM, class Act, int BK, int BN = MMA_BN> constexpr size_t mma_stage_bytes() {
+    return (size_t)(BM + BN * (Act::glu ? 2 : 1)) * BK * 2;
 }
 /* A BK=32 stage reads only 64 contiguous bytes of each weight row, and the next piece of that row
  * follows a k step later, by which time HBM has long closed the page: the memory-bound tiles (up to 64
@@ -40,27 +40,27 @@ template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_stage_
  * tiles (K = 1408-2048, T=16 and 64) 1.00-1.05x, but their 32-row tiles (T=256) 0.97-1.00x and their
  * 16-row tiles of a short grid (Qwen T=4) 0.95x: the launch asks for LONG from K = MMA_LONG_K on, or
  * with 16-row tiles whose grid is a few waves (mma16_long). */
-template <int BM, bool GLU, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
-    if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, GLU, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
-    return BM < 128 && 3 * mma_stage_bytes<BM, GLU, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
+template <int BM, class Act, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
+    if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, Act, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
+    return BM < 128 && 3 * mma_stage_bytes<BM, Act, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;
 }
 /* Narrow tiles (BN < 128, small batches): as many stages (4 or 3) as still let three blocks share an SM. */
-template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr int mma_stages() {
-    if constexpr (BN < MMA_BN) return 4 * mma_stage_bytes<BM, GLU, BK, BN>() <= MMA_SMEM_THREE_PER_SM ? 4 : 3;
-    return BK == 32 || 4 * mma_stage_bytes<BM, GLU, BK>() <= MMA_SMEM_TWO_PER_SM ? 4 : 3;
+template <int BM, class Act, int BK, int BN = MMA_BN> constexpr int mma_stages() {
+    if constexpr (BN < MMA_BN) return 4 * mma_stage_bytes<BM, Act, BK, BN>() <= MMA_SMEM_THREE_PER_SM ? 4 : 3;
+    return BK == 32 || 4 * mma_stage_bytes<BM, Act, BK>() <= MMA_SMEM_TWO_PER_SM ? 4 : 3;
 }
-template <int BM, bool GLU, int BK, int BN = MMA_BN> constexpr size_t mma_smem_bytes() {
-    return (size_t)mma_stages<BM, GLU, BK, BN>() * mma_stage_bytes<BM, GLU, BK, BN>();
+template <int BM, class Act, int BK, int BN = MMA_BN> constexpr size_t mma_smem_bytes() {
+    return (size_t)mma_stages<BM, Act, BK, BN>() * mma_stage_bytes<BM, Act, BK, BN>();
 }
 
 /* BN columns of weights per block, 2 * BN threads: each warp's share (16 or 32 columns) is the same
  * for every BN. */
-template <class T, int BM, bool GLU, int BK, int BN = MMA_BN>
+template <class T, int BM, class Act, int BK, int BN = MMA_BN>
 __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     constexpr int THREADS = 2 * BN;
     constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = THREADS / 32 / WARPS_M;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
-    constexpr int NMAT = GLU ? 2 : 1, STAGES = mma_stages<BM, GLU, BK, BN>();
+    constexpr int NMAT = Act::glu ? 2 : 1, STAGES = mma_stages<BM, Act, BK, BN>();
     constexpr int CPR = BK / 8; /* 16-byte chunks per smem row */
     constexpr int A_CHUNKS = BM * CPR, B_CHUNKS = BN * CPR;
     constexpr int A_PER_T = (A_CHUNKS + THREADS - 1) / THREADS, B_PER_T = B_CHUNKS / THREADS;
@@ -193,9 +193,9 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
                 const int p = tile.begin + wm * WTM + i * 16 + (lane >> 2) + h * 8;
                 if (p >= tile.end) continue;
                 float v0 = acc[0][i][j][2 * h], v1 = acc[0][i][j][2 * h + 1];
-                if (GLU) {
-                    v0 = silu_f32(v0) * acc[NMAT - 1][i][j][2 * h];
-                    v1 = silu_f32(v1) * acc[NMAT - 1][i][j][2 * h + 1];
+                if (Act::glu) {
+                    v0 = Act::apply(v0, acc[NMAT - 1][i][j][2 * h], a);
+                    v1 = Act::apply(v1, acc[NMAT - 1][i][j][2 * h + 1], a);
                 }
                 *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
             }
@@ -203,90 +203,90 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     }
 }
 
-template <class T, int BM, bool GLU, int BK, int BN = MMA_BN> static cudaError_t mma_setup_one() {
-    return cudaFuncSetAttribute(mma_kernel<T, BM, GLU, BK, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)mma_smem_bytes<BM, GLU, BK, BN>());
+template <class T, int BM, class Act, int BK, int BN = MMA_BN> static cudaError_t mma_setup_one() {
+    return cudaFuncSetAttribute(mma_kernel<T, BM, Act, BK, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)mma_smem_bytes<BM, Act, BK, BN>());
 }
 
 /* The BN-column kernels of BM-row tiles: BK=32, the BK=64 one where mma_bk picks it and the device has
  * the shared memory (wide_k), the long-K one likewise (long_k). */
-template <class T, int BM, bool GLU, int BN> static cudaError_t mma_setup_bn(bool wide_k, bool long_k) {
-    cudaError_t e = mma_setup_one<T, BM, GLU, 32, BN>();
-    if constexpr (mma_bk<BM, GLU, BN>() > 32)
-        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, GLU, mma_bk<BM, GLU, BN>(), BN>();
-    if constexpr (mma_bk<BM, GLU, BN, true>() != mma_bk<BM, GLU, BN>())
-        if (e == cudaSuccess && long_k) e = mma_setup_one<T, BM, GLU, mma_bk<BM, GLU, BN, true>(), BN>();
+template <class T, int BM, class Act, int BN> static cudaError_t mma_setup_bn(bool wide_k, bool long_k) {
+    cudaError_t e = mma_setup_one<T, BM, Act, 32, BN>();
+    if constexpr (mma_bk<BM, Act, BN>() > 32)
+        if (e == cudaSuccess && wide_k) e = mma_setup_one<T, BM, Act, mma_bk<BM, Act, BN>(), BN>();
+    if constexpr (mma_bk<BM, Act, BN, true>() != mma_bk<BM, Act, BN>())
+        if (e == cudaSuccess && long_k) e = mma_setup_one<T, BM, Act, mma_bk<BM, Act, BN, true>(), BN>();
     return e;
 }
 
 /* for 16-row tiles also the narrow kernels */
-template <class T, int BM, bool GLU> static cudaError_t mma_setup_bm(bool wide_k, bool long_k) {
-    cudaError_t e = mma_setup_bn<T, BM, GLU, MMA_BN>(wide_k, long_k);
+template <class T, int BM, class Act> static cudaError_t mma_setup_bm(bool wide_k, bool long_k) {
+    cudaError_t e = mma_setup_bn<T, BM, Act, MMA_BN>(wide_k, long_k);
     if constexpr (BM == 16)
-        if (e == cudaSuccess) e = mma_setup_bn<T, BM, GLU, MMA_NARROW_BN>(wide_k, long_k);
+        if (e == cudaSuccess) e = mma_setup_bn<T, BM, Act, MMA_NARROW_BN>(wide_k, long_k);
     return e;
 }
 
-template <class T, bool GLU> static cudaError_t mma_setup_all(bool wide_k, bool long_k) {
+template <class T, class Act> static cudaError_t mma_setup_all(bool wide_k, bool long_k) {
     cudaError_t e;
-    if ((e = mma_setup_bm<T, 16, GLU>(wide_k, long_k)) != cudaSuccess) return e;
-    if ((e = mma_setup_bm<T, 32, GLU>(wide_k, long_k)) != cudaSuccess) return e;
-    if ((e = mma_setup_bm<T, 64, GLU>(wide_k, long_k)) != cudaSuccess) return e;
-    return mma_setup_bm<T, 128, GLU>(wide_k, long_k);
+    if ((e = mma_setup_bm<T, 16, Act>(wide_k, long_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 32, Act>(wide_k, long_k)) != cudaSuccess) return e;
+    if ((e = mma_setup_bm<T, 64, Act>(wide_k, long_k)) != cudaSuccess) return e;
+    return mma_setup_bm<T, 128, Act>(wide_k, long_k);
 }
 
 /* The BK of the BN-column kernel of BM-row tiles that runs for (wide_k, long_k): the long-K one where it
  * differs and the projection takes it, the BK=64 one where the device has its shared memory, else 32. */
-template <int BM, bool GLU, int BN> static int mma_pick_bk(bool wide_k, bool long_k) {
-    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
+template <int BM, class Act, int BN> static int mma_pick_bk(bool wide_k, bool long_k) {
+    constexpr int LBK = mma_bk<BM, Act, BN, true>(), WBK = mma_bk<BM, Act, BN>();
     return LBK != WBK && long_k ? LBK : WBK > 32 && wide_k ? WBK : 32;
 }
 
-template <class T, int BM, bool GLU, int BN>
+template <class T, int BM, class Act, int BN>
 static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, bool long_k, cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
-    constexpr int LBK = mma_bk<BM, GLU, BN, true>(), WBK = mma_bk<BM, GLU, BN>();
-    const int bk = mma_pick_bk<BM, GLU, BN>(wide_k, long_k);
+    constexpr int LBK = mma_bk<BM, Act, BN, true>(), WBK = mma_bk<BM, Act, BN>();
+    const int bk = mma_pick_bk<BM, Act, BN>(wide_k, long_k);
     if constexpr (LBK != WBK)
         if (bk == LBK)
-            return colibri_launch(mma_kernel<T, BM, GLU, LBK, BN>, grid, dim3(2 * BN),
-                                  mma_smem_bytes<BM, GLU, LBK, BN>(), stream, a);
+            return colibri_launch(mma_kernel<T, BM, Act, LBK, BN>, grid, dim3(2 * BN),
+                                  mma_smem_bytes<BM, Act, LBK, BN>(), stream, a);
     if constexpr (WBK > 32)
         if (bk == WBK)
-            return colibri_launch(mma_kernel<T, BM, GLU, WBK, BN>, grid, dim3(2 * BN),
-                                  mma_smem_bytes<BM, GLU, WBK, BN>(), stream, a);
-    return colibri_launch(mma_kernel<T, BM, GLU, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, GLU, 32, BN>(),
+            return colibri_launch(mma_kernel<T, BM, Act, WBK, BN>, grid, dim3(2 * BN),
+                                  mma_smem_bytes<BM, Act, WBK, BN>(), stream, a);
+    return colibri_launch(mma_kernel<T, BM, Act, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, Act, 32, BN>(),
                           stream, a);
 }
 
 /* long_k: the device fits the BK=128 kernels and the projection takes them (see mma_bk) */
-template <class T, bool GLU>
+template <class T, class Act>
 static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
                               cudaStream_t stream) {
     switch (tile_m) {
     case 16:
-        if (narrow) return mma_launch_bn<T, 16, GLU, MMA_NARROW_BN>(a, slots, wide_k, long_k, stream);
-        return mma_launch_bn<T, 16, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
-    case 32: return mma_launch_bn<T, 32, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
-    case 64: return mma_launch_bn<T, 64, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
-    default: return mma_launch_bn<T, 128, GLU, MMA_BN>(a, slots, wide_k, long_k, stream);
+        if (narrow) return mma_launch_bn<T, 16, Act, MMA_NARROW_BN>(a, slots, wide_k, long_k, stream);
+        return mma_launch_bn<T, 16, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
+    case 32: return mma_launch_bn<T, 32, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
+    case 64: return mma_launch_bn<T, 64, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
+    default: return mma_launch_bn<T, 128, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
     }
 }
 
 /* Blocks of one 16-row kernel an SM holds (0 if the query fails). */
-template <bool GLU, int BK, int BN> static int mma16_occupancy() {
+template <class Act, int BK, int BN> static int mma16_occupancy() {
     int blocks = 0;
     const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, mma_kernel<__nv_bfloat16, 16, GLU, BK, BN>, 2 * BN, mma_smem_bytes<16, GLU, BK, BN>());
+        &blocks, mma_kernel<__nv_bfloat16, 16, Act, BK, BN>, 2 * BN, mma_smem_bytes<16, Act, BK, BN>());
     return e == cudaSuccess ? blocks : 0;
 }
 
 /* Blocks of the 16-row kernel (BN = 128, or narrow) one SM holds, for the wave estimate below: the
  * kernel mma_launch_bn picks for (wide_k, long_k). */
-template <bool GLU, int BN> static int mma16_blocks_per_sm(bool wide_k, bool long_k) {
-    if (long_k) return mma16_occupancy<GLU, mma_bk<16, GLU, BN, true>(), BN>();
-    if (wide_k) return mma16_occupancy<GLU, mma_bk<16, GLU, BN>(), BN>();
-    return mma16_occupancy<GLU, 32, BN>();
+template <class Act, int BN> static int mma16_blocks_per_sm(bool wide_k, bool long_k) {
+    if (long_k) return mma16_occupancy<Act, mma_bk<16, Act, BN, true>(), BN>();
+    if (wide_k) return mma16_occupancy<Act, mma_bk<16, Act, BN>(), BN>();
+    return mma16_occupancy<Act, 32, BN>();
 }
 
 #endif /* COLIBRI_CUDA_MMA_EXPERTS_CUH */

@@ -8,6 +8,8 @@
 
 #include <type_traits>
 
+#include "activation.cuh"
+#include "gemv.cuh"
 #include "mma.cuh"
 
 /* wgmma_ws_kernel (wgmma_ws.cuh) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
@@ -99,27 +101,14 @@ __device__ __forceinline__ void wg_bulk_store(void *dst, uint32_t src, uint32_t 
 }
 #endif
 
-/* silu(g) = g sigmoid(g) = h + h tanh(h), h = g / 2: one MUFU op per element where __expf and
- * __fdividef take two, and the epilogue, during which the tensor cores idle, is bound by those units
- * (64 silu per thread per item, 16 MUFU results per clock per SM). silu_f32's accurate expf and IEEE
- * division were about 30 instructions per element. tanh.approx's error (2^-11 relative to tanh) makes
- * at most |g| 2^-12 absolute: about fp16's rounding of silu(g) ~ g for g > 0, more than it relative to
- * the small silu of a negative g; the harness's worst errors did not move. */
-__device__ __forceinline__ float wg_silu(float g) {
-    const float h = 0.5f * g;
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(h));
-    return fmaf(h, t, h);
-}
-
 /* The output step's pieces, shared by wgmma_kernel and wgmma_ws_kernel. Accumulator layout of
  * m64nNk16: thread (warp w of the group, lane l) holds rows 16w + l/4 (+8) and columns 8j + 2(l%4) (+1)
  * in acc[4j + {0,1}] (acc[4j + {2,3}] for row + 8): the fragments of stmatrix. SWIGLU's up column for
  * gate column j is 128 columns, 64 registers, further on. wg_stage_part writes this warp's 16 rows x
- * output columns [COLS part, + COLS) (SWIGLU: silu(gate) * up) to `buf`, rows ROW_BYTES apart
+ * output columns [COLS part, + COLS) (a GLU: Act::apply_fast(gate, up)) to `buf`, rows ROW_BYTES apart
  * (wgmma_kernel: 128 columns, WG_OUT_ROW_BYTES; wgmma_ws_kernel: 64, WS_OUT_ROW_BYTES). */
-template <class T, bool GLU, int COLS, int ROW_BYTES>
-__device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t buf, int part) {
+template <class T, class Act, int COLS, int ROW_BYTES>
+__device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t buf, int part, const ProjArgs &a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
@@ -131,9 +120,9 @@ __device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t 
         for (int q = 0; q < 4; q++) {
             const int i = 4 * (part * COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
             float v0 = acc[i], v1 = acc[i + 1];
-            if constexpr (GLU) {
-                v0 = wg_silu(v0) * acc[64 + i];
-                v1 = wg_silu(v1) * acc[64 + i + 1];
+            if constexpr (Act::glu) {
+                v0 = Act::apply_fast(v0, acc[64 + i], a);
+                v1 = Act::apply_fast(v1, acc[64 + i + 1], a);
             }
             r[q] = pack2<T>(v0, v1);
         }
@@ -146,14 +135,14 @@ __device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t 
  * fewer where n ends first) of an [*, n] output through its staging buffer `buf`: once the bulk copies
  * of the buffer's previous use have read it, the rows are staged and handed to the bulk-copy engine, a
  * row per lane, and the warp goes on while they are written. */
-template <class T, bool GLU, int COLS, int ROW_BYTES>
+template <class T, class Act, int COLS, int ROW_BYTES>
 __device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t buf, int part, T *out, int n, int col,
-                                              int prow, int tile_end) {
+                                              int prow, int tile_end, const ProjArgs &a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncwarp();
-    wg_stage_part<T, GLU, COLS, ROW_BYTES>(acc, buf, part);
+    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a);
     /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
@@ -167,14 +156,14 @@ __device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t 
  * chunks and written with coalesced 16-byte stores, so that a round needs no wait for the engine's reads
  * of the buffer before the next one (wgmma_ws_kernel's 64-column rounds through the bulk copies made the
  * fine-grained T=256-2048 rows 0.98x; these, 1.00x). */
-template <class T, bool GLU, int COLS, int ROW_BYTES>
+template <class T, class Act, int COLS, int ROW_BYTES>
 __device__ __forceinline__ void wg_store_part_direct(const float (&acc)[128], uint32_t buf, int part, T *out, int n,
-                                                     int col, int prow, int tile_end) {
+                                                     int col, int prow, int tile_end, const ProjArgs &a) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int CHUNKS = COLS / 8; /* 16-byte chunks per row */
     const int lane = threadIdx.x & 31;
     __syncwarp(); /* the last round's reads of the buffer are done */
-    wg_stage_part<T, GLU, COLS, ROW_BYTES>(acc, buf, part);
+    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a);
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 16 * CHUNKS / 32; i++) {

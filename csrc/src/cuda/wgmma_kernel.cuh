@@ -17,11 +17,11 @@
  * with fewer rows than one tile on average, where the weights stream from HBM): 48 KB more in flight
  * per SM, bought with wgmma.wait_group 0 at every stage, whose drain the memory-bound tiles can
  * afford. */
-template <class T, bool GLU, int AHEAD>
+template <class T, class Act, int AHEAD>
 __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
     static_assert(AHEAD == 2 || AHEAD == 3, "a free ring slot is left for the products");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
+    constexpr int COLS = Act::glu ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int A_PER_T = WG_BM * 8 / WG_THREADS, B_PER_T = WG_BN * 8 / WG_THREADS;
     constexpr int ROW_STEP = WG_THREADS / 8; /* rows between one thread's copies */
     pdl_begin();
@@ -55,7 +55,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
 #pragma unroll
         for (int i = 0; i < B_PER_T; i++) {
-            const int r = r0 + i * ROW_STEP, m = GLU ? r / COLS : 0, n = nb * COLS + (GLU ? r % COLS : r);
+            const int r = r0 + i * ROW_STEP, m = Act::glu ? r / COLS : 0, n = nb * COLS + (Act::glu ? r % COLS : r);
             b_ok[i] = n < a.n;
             b_src[i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k + c * 8;
         }
@@ -142,15 +142,15 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
         const int col0 = nb * COLS;
         /* the previous item's bulk copies have read the buffer (long done: an item ago) */
-        wg_store_part<T, GLU, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, out_buf, 0, out, a.n, col0, prow, tile.end);
-        if constexpr (!GLU) {
+        wg_store_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, out_buf, 0, out, a.n, col0, prow, tile.end, a);
+        if constexpr (!Act::glu) {
             /* the ring slot the loader fills next (the last but one the products read; the last with
              * AHEAD 3): free once both warpgroups are past their wait_group 0 (this barrier) until the
              * loader refills it, after the next item's first __syncthreads */
             __syncthreads();
             const uint32_t spare = sbase + (uint32_t)((stage + AHEAD) % WG_STAGES) * WG_STAGE_BYTES +
                                    (tid >> 5) * WG_OUT_WARP_BYTES;
-            wg_stage_part<T, GLU, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, spare, 1);
+            wg_stage_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, spare, 1, a);
             __syncwarp();
             const int c16 = lane & 15, col = col0 + WG_OUT_COLS + c16 * 8;
 #pragma unroll
@@ -195,22 +195,22 @@ static bool wgmma_available(int device) {
     return ok;
 }
 
-template <class T, bool GLU> static cudaError_t wgmma_setup_one() {
-    cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, GLU, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+template <class T, class Act> static cudaError_t wgmma_setup_one() {
+    cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, Act, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          WG_SMEM_BYTES);
     if (e != cudaSuccess) return e;
-    return cudaFuncSetAttribute(wgmma_kernel<T, GLU, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
+    return cudaFuncSetAttribute(wgmma_kernel<T, Act, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize, WG_SMEM_BYTES);
 }
 
 /* One block per SM (at most one per item the tile table can hold). `streaming`: the experts have fewer
  * rows than one tile on average, so the weights stream from HBM: the loader runs 3 stages ahead. */
-template <class T, bool GLU>
+template <class T, class Act>
 static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, bool streaming, cudaStream_t stream) {
-    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
+    constexpr int COLS = Act::glu ? WG_BN / 2 : WG_BN;
     const int64_t most = slots * ((a.n + COLS - 1) / COLS);
     const dim3 grid((unsigned)(most < sms ? most : sms));
-    if (streaming) return colibri_launch(wgmma_kernel<T, GLU, 3>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
-    return colibri_launch(wgmma_kernel<T, GLU, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
+    if (streaming) return colibri_launch(wgmma_kernel<T, Act, 3>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
+    return colibri_launch(wgmma_kernel<T, Act, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
 
 #endif /* COLIBRI_CUDA_WGMMA_KERNEL_CUH */

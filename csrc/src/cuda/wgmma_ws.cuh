@@ -54,7 +54,7 @@
  * transposed: the weight rows as wgmma's A operand (M, 64 per product), all 128 + WS_EXTRA_ROWS token rows
  * as its B (N = 152): (128 + 24) / 128 = 1.19x an item's tensor work, in the same asynchronous products
  * and slot releases as any item. Warpgroup w takes weight rows [64w, + 64) and [128 + 64w, + 64): SWIGLU's
- * gate and up rows of the same 64 output columns, so that silu(gate) * up pairs registers of one thread;
+ * gate and up rows of the same 64 output columns, so that act(gate, up) pairs registers of one thread;
  * else rows [128w, + 128). Its 2 x 76 accumulators are acc[0, 76), then acc[76, 128) and xacc[0, 24). */
 #define WS_EXTRA_ROWS 24
 #define WS_TN (WG_BM + WS_EXTRA_ROWS) /* token rows of a folded item's products */
@@ -122,12 +122,12 @@ __device__ __forceinline__ float ws_tacc(const float (&acc)[128], const float (&
  * tokens: one shuffle gives each a pair of columns of one token, a 4-byte store. SWIGLU: chunk 0 the gate
  * rows, chunk 1 the up rows of output columns col0 + m; else chunk c's output columns col0 + 64 c + m (col0:
  * the item's first column plus this warpgroup's 64, SWIGLU, or 128). */
-template <class T, bool GLU>
+template <class T, class Act>
 __device__ __forceinline__ void ws_store_folded(const float (&acc)[128], const float (&xacc)[WS_EXTRA_ROWS], T *out,
-                                                int n, int col0, const ExpertTile &tile) {
+                                                int n, int col0, const ExpertTile &tile, const ProjArgs &a) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, odd = g & 1, w = (threadIdx.x >> 5) & 3;
 #pragma unroll
-    for (int c = 0; c < (GLU ? 1 : 2); c++)
+    for (int c = 0; c < (Act::glu ? 1 : 2); c++)
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const int col = col0 + 64 * c + 16 * w + 8 * h + (g & ~1);
@@ -137,7 +137,8 @@ __device__ __forceinline__ void ws_store_folded(const float (&acc)[128], const f
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int i = 4 * j + 2 * h + e;
-                    v[e] = GLU ? wg_silu(ws_tacc(acc, xacc, 0, i)) * ws_tacc(acc, xacc, 1, i) : ws_tacc(acc, xacc, c, i);
+                    v[e] = Act::glu ? Act::apply_fast(ws_tacc(acc, xacc, 0, i), ws_tacc(acc, xacc, 1, i), a)
+                               : ws_tacc(acc, xacc, c, i);
                 }
                 const float other = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 4);
                 const int tok = 8 * j + 2 * t + odd;
@@ -295,11 +296,11 @@ __device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k
  * and rank 0 takes the units from the counter and hands them to rank 1.
  * experts_plan.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
  * with more, whose tiles share weight blocks in L2 well enough on one block each). */
-template <class T, bool GLU, bool MC, bool DRAIN>
+template <class T, class Act, bool MC, bool DRAIN>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
     static_assert(!(MC && DRAIN), "the cluster kernel runs the compute-bound tiles only");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN; /* output columns per item */
+    constexpr int COLS = Act::glu ? WG_BN / 2 : WG_BN; /* output columns per item */
     constexpr int P_THREADS = WS_THREADS - WG_THREADS;
     constexpr int A_PER_T = WG_BM * 8 / P_THREADS, ROW_STEP = P_THREADS / 8;
     constexpr int X_PER_T = (WS_EXTRA_ROWS + ROW_STEP - 1) / ROW_STEP;
@@ -438,7 +439,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             }
             /* the map's rows of the two boxes: SWIGLU gate rows and the up rows of the same columns, else
              * the item's 256 rows */
-            const int row0 = nb * COLS, row1 = GLU ? a.n + nb * COLS : nb * COLS + WG_BN / 2;
+            const int row0 = nb * COLS, row1 = Act::glu ? a.n + nb * COLS : nb * COLS + WG_BN / 2;
             for (int kt = 0; kt < ktiles; kt++) {
                 ws_wait(ws_empty_bar(sbase, slot), parity);
                 /* the products read the slot through the async proxy; the cp.async below write it through
@@ -542,8 +543,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                 } else {
                     /* the weight rows' chunks of 64 (8 KB) this warpgroup takes, and all the token rows from
                      * the extra ones on */
-                    const uint32_t w0 = st + WG_A_BYTES + (GLU ? wg : 2 * wg) * 8192u,
-                                   w1 = st + WG_A_BYTES + (GLU ? 2 + wg : 2 * wg + 1) * 8192u;
+                    const uint32_t w0 = st + WG_A_BYTES + (Act::glu ? wg : 2 * wg) * 8192u,
+                                   w1 = st + WG_A_BYTES + (Act::glu ? 2 + wg : 2 * wg + 1) * 8192u;
 #pragma unroll
                     for (int ks = 0; ks < WG_BK / 16; ks++) {
                         const uint64_t xd = wg_desc(st - WS_X_BYTES + ks * 32);
@@ -595,7 +596,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
 #pragma unroll
             for (int i = 0; i < WS_EXTRA_ROWS; i++) xacc[i] = 0.0f;
             k_loop(std::integral_constant<int, 2>{});
-            ws_store_folded<T, GLU>(acc, xacc, out, a.n, col0 + (GLU ? 64 : 128) * wg, tile);
+            ws_store_folded<T, Act>(acc, xacc, out, a.n, col0 + (Act::glu ? 64 : 128) * wg, tile, a);
             stored(ti);
             continue;
         }
@@ -607,8 +608,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
 #pragma unroll
         for (int part = 0; part < COLS / WS_OUT_COLS; part++)
             if (col0 + part * WS_OUT_COLS < a.n)
-                wg_store_part_direct<T, GLU, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
-                                                                            col0 + part * WS_OUT_COLS, prow, tile.end);
+                wg_store_part_direct<T, Act, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
+                                                                            col0 + part * WS_OUT_COLS, prow, tile.end, a);
         stored(ti);
     }
     if constexpr (MC) ws_cluster_sync();
@@ -636,16 +637,16 @@ static void *ws_encode_fn() {
     return fn;
 }
 
-/* Sets up both kernels of (T, GLU); *clusters: how many clusters of two of the MC kernel fit at once
+/* Sets up the kernels of (T, Act); *clusters: how many clusters of two of the MC kernel fit at once
  * (0 where none would: the MC kernel is then not used). */
-template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters) {
-    cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false, false>,
+template <class T, class Act> static cudaError_t wgmma_ws_setup_one(int *clusters) {
+    cudaError_t e = cudaFuncSetAttribute(wgmma_ws_kernel<T, Act, false, false>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, Act, false, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
-    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, GLU, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    e = cudaFuncSetAttribute(wgmma_ws_kernel<T, Act, true, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              WS_SMEM_BYTES);
     if (e != cudaSuccess) return e;
     cudaLaunchAttribute attr[1];
@@ -660,7 +661,7 @@ template <class T, bool GLU> static cudaError_t wgmma_ws_setup_one(int *clusters
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     int n = 0;
-    if (cudaOccupancyMaxActiveClusters(&n, wgmma_ws_kernel<T, GLU, true, false>, &cfg) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&n, wgmma_ws_kernel<T, Act, true, false>, &cfg) != cudaSuccess) {
         (void)cudaGetLastError();
         n = 0;
     }
@@ -686,22 +687,22 @@ template <class T, bool GLU> static bool ws_tensor_map(void *encode, const ProjA
 /* One block per SM (at most one per item the tile table can hold), as wgmma_launch; with `clusters` > 0,
  * that many clusters of two of the MC kernel (at most one per pair of tiles and column block); else, with
  * `drain`, the kernel that drains every stage (DRAIN). */
-template <class T, bool GLU>
+template <class T, class Act>
 static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, int64_t slots, int sms, int clusters,
                                    bool drain, cudaStream_t stream) {
-    constexpr int COLS = GLU ? WG_BN / 2 : WG_BN;
+    constexpr int COLS = Act::glu ? WG_BN / 2 : WG_BN;
     const int64_t nblocks = (a.n + COLS - 1) / COLS;
     if (clusters > 0) {
         const int64_t most = (slots + 1) / 2 * nblocks;
-        return colibri_launch_clusters(wgmma_ws_kernel<T, GLU, true, false>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
+        return colibri_launch_clusters(wgmma_ws_kernel<T, Act, true, false>, 2, dim3((unsigned)(2 * (most < clusters ? most : clusters))),
                                        dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
     }
     const int64_t most = slots * nblocks;
     const dim3 grid((unsigned)(most < sms ? most : sms));
     if (drain)
-        return colibri_launch(wgmma_ws_kernel<T, GLU, false, true>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map,
+        return colibri_launch(wgmma_ws_kernel<T, Act, false, true>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map,
                               a);
-    return colibri_launch(wgmma_ws_kernel<T, GLU, false, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
+    return colibri_launch(wgmma_ws_kernel<T, Act, false, false>, grid, dim3(WS_THREADS), WS_SMEM_BYTES, stream, map, a);
 }
 #endif /* COLIBRI_TMA */
 
