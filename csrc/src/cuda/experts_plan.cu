@@ -40,28 +40,19 @@ static bool mma_narrow(const CudaBackend *b, const colibri_moe_config_t *c, int6
 }
 
 /* Whether a 16-row projection of short rows (K < MMA_LONG_K) takes BK=128: only where its BN = 128 grid
- * is at least MMA16_LONG_MIN_WAVES waves of that kernel, whose blocks per SM are fewer. Qwen T=4 (15
- * experts touched, 1.2 waves of it) read 0.097 against 0.092 ms with BK=128; T=16 and 64 (3-13
- * waves) gained 1-5%. */
+ * is at least MMA16_LONG_MIN_WAVES waves of that kernel, whose blocks per SM are fewer. */
 #define MMA16_LONG_MIN_WAVES 2.0
 static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int64_t num_tokens, bool glu, int32_t n) {
     return mma16_waves(b, c, num_tokens, glu, n, false, true) >= MMA16_LONG_MIN_WAVES;
 }
 
-/* Where the tensor cores could run, the few-tokens path serves at most this many assignments: with so
- * few experts touched a tensor-core grid (a row of blocks per expert, each looping over all of K)
- * leaves SMs idle, while the gemv spreads an expert over N/8 short blocks. On an H200 the gemv was
- * faster up to T*k = 8, the 16-row tile from T*k = 16 on (1.11-1.47x); the gemv up to T*k = 24 made
- * DeepSeek T=4 0.84x, Qwen T=4 0.90x. */
+/* Where the tensor cores could run, the few-tokens path serves at most this many assignments: so few
+ * touched experts leave a tensor-core grid's SMs idle, while the gemv spreads an expert over N/8 blocks. */
 #define GEMV_MAX_ASSIGNMENTS 8
 
-/* Direct mode with short rows (at most this many bytes of weights per warp and row: fine-grained experts,
- * 2.8-8 KB) launches about GEMV_LOOP_BLOCKS_PER_SM blocks per SM (what the registers of the 1- and
- * 2-row kernels allow) whose warps loop over rows, rather than a block per 8 rows: a block's setup (its
- * expert found in the ids: an L2 round trip and a few barriers) and its wait for a free slot are then
- * paid once per slot, not once per 8 rows. Measured: DeepSeek T=1 0.052 -> 0.046 ms,
- * Qwen 0.040 -> 0.036; 2 blocks per SM for the up projection, leaving a slot for the down one to
- * start early, was no faster. Long rows (Mixtral: 16-28 KB per warp) keep a block per 8 rows. */
+/* Direct mode with rows of at most this many bytes per warp (fine-grained experts) launches about
+ * GEMV_LOOP_BLOCKS_PER_SM blocks per SM whose warps loop over rows: a block's setup (its expert found
+ * in the ids) and its wait for a slot are then paid once per slot, not once per 8 rows. */
 #define GEMV_SHORT_ROW_BYTES 8192
 #define GEMV_LOOP_BLOCKS_PER_SM 3
 
@@ -87,12 +78,10 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 #define WS_SMALL_TILE_MIN_EXPERTS 32
 
 /* 1..GEMV_GROUP: the few-tokens path (gemv.cuh) with that many token rows per pass: the smallest of 2,
- * 4, 8 at or above 1.5x the mean assignments per expert (1 for at most one per expert on average
- * when the experts outnumber the assignments 4 to 1). 16..128: the tensor-core tile height, ~1.5x the
- * mean assignments per expert so that most experts fit in one tile and their weights are read once
- * (tiles of just the mean were slower: 1.42 against 1.26 ms for Mixtral at T=64); but 32 rather than
- * 64 where 1.3x the mean still fits 32 rows, as the 64-row GLU tile keeps BK=32 (DeepSeek T=256 1.37x
- * with 32). */
+ * 4, 8 at or above 1.5x the mean assignments per expert (1 where the experts outnumber the assignments
+ * 4 to 1). 16..128: the tensor-core tile height, ~1.5x the mean so that most experts fit in one tile
+ * and their weights are read once; 32 rather than 64 where 1.3x the mean fits, as the 64-row GLU tile
+ * keeps BK=32. docs/cuda-design.md has the table, docs/performance.md the figures. */
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
@@ -107,11 +96,8 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
     const int64_t want = (assignments * 3 / 2 + E - 1) / E;
     int32_t tile = want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
     if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
-    /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead (its
-     * producer streams the weights of a partial tile well, and its items hand out by a counter): measured
-     * on an H200: DeepSeek-V2-Lite / Qwen1.5-MoE T=256 1.05-1.08x over the 32-row
-     * mma_kernel, T=384 1.46x over the 64-row one, but Mixtral (8 experts) T=64 0.98x, so not below
-     * WS_SMALL_TILE_MIN_EXPERTS. */
+    /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead: its
+     * producer streams a partial tile's weights well and its items hand out by a counter. */
     if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode)
         tile = WG_BM;
     return tile;
@@ -129,23 +115,15 @@ bool plan_wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
     return assignments < (int64_t)WG_BM * c->num_experts;
 }
 
-/* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (wgmma_ws_kernel
- * with MC: an expert's weight block multicast to the two tiles of a pair, wgmma_ws.cuh): where they are
- * compute-bound (not streaming) and the experts have at most WS_MC_MAX_TILES tiles each on average
- * (on an H200, against the one-block kernel: Mixtral T=512 1.12x, T=1024 1.07x). With more tiles per
- * expert the one-block kernel's tiles share the weight blocks in L2 among themselves and the pairs'
- * coupled k steps cost more than the halved L2 reads save (0.97-0.99x). */
+/* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (wgmma_ws.cuh's
+ * MC): where they are compute-bound and the experts have at most WS_MC_MAX_TILES tiles each; with more,
+ * the one-block kernel's tiles share the weight blocks in L2 anyway and the pairs' coupling costs more. */
 #define WS_MC_MAX_TILES 2
-/* Where every item's k loop is long (hidden and intermediate sizes both at least WS_MC_LONG_K: 64 stages
- * of 64 or more), the limit counts tiles with their folded rows, 128 + b->ws_fold each: the cluster kernel
- * then takes Mixtral up to 2 x 152 rows per expert (T = 1216), where the one-block kernel was 1.02-1.18x
- * slower (T = 1152, 1216; 280 rows per expert); with shorter k loops (DeepSeek-V2-Lite T = 3072, 2048 x
- * 1408 experts) the cluster kernel was 0.97x there. */
+/* Where every item's k loop is long (H and F both at least WS_MC_LONG_K), the limit counts tiles with
+ * their folded rows, 128 + b->ws_fold each. */
 #define WS_MC_LONG_K 4096
-/* The streaming projections (plan_wg_streaming) of at most this many k elements run wgmma_ws_kernel's DRAIN
- * kernel (4 stages in flight, each stage's products waited for): measured on an H200,
- * DeepSeek-V2-Lite / Qwen1.5-MoE T = 1024 1.01-1.02x, T = 256 1.00-1.02x; on Mixtral (k = 4096 and 14336)
- * T = 256 0.99x, and 0.98-0.99x even with its products left out. */
+/* The streaming projections of at most this many k elements run wgmma_ws_kernel's DRAIN variant (4
+ * stages in flight): it pays for short k loops only. */
 #define WS_DRAIN_MAX_K 2048
 
 static bool ws_multicast(const colibri_moe_config_t *c, const CudaBackend *b, int64_t assignments) {
@@ -162,14 +140,10 @@ bool plan_ws_drain(const colibri_moe_config_t *c, int64_t assignments, int32_t k
     return plan_wg_streaming(c, assignments) && k <= WS_DRAIN_MAX_K;
 }
 
-/* A SWIGLU forward's two projections chained per tile (wgmma_ws.cuh, ws_chain_wait): both run on
- * wgmma_ws_kernel, the maps of both having encoded at init (ws_fold; project() refuses a table of
- * 128-row tiles that does not run there); the second waits for the first's column blocks of F in each tile. Where
- * those are at most one group of WG_GROUP_N (F <= 2048), the first projection's items complete
- * the tiles one after another (wg_item); else only where the cluster kernel runs: Mixtral's
- * one-block kernel at 3-6 tiles per expert is bound by L2's bandwidth, which
- * the second projection's early items then take from its last ones (0.97-0.99x; 1.00x at 8
- * tiles), where on the cluster kernel (2-2.25) they gained 1.02-1.04x */
+/* A SWIGLU forward's two projections chained per tile (wgmma_ws.cuh, ws_chain_wait), where both run on
+ * wgmma_ws_kernel (ws_fold: their maps encoded at init) and either the first projection's column blocks
+ * are one group of WG_GROUP_N (F <= 2048: its items complete the tiles in order) or the cluster kernel
+ * runs; on Mixtral's L2-bound one-block kernel the chain lost (docs/performance.md). */
 int32_t plan_ws_chain(const colibri_moe_context_t *ctx, bool direct, int clusters) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int32_t up_blocks = (ctx->cfg.intermediate_size + WG_BN / 2 - 1) / (WG_BN / 2);
@@ -189,8 +163,8 @@ bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_to
 #endif
 }
 
-/* Rows an expert's last whole tile may absorb (wgmma_ws.cuh's folded tiles), so that a few rows do not cost a
- * tile re-reading the expert's weights: on an H200 Mixtral T=1024 1.17x, fine-grained T=4096 1.03-1.05x. */
+/* Rows an expert's last whole tile may absorb (wgmma_ws.cuh's folded tiles), so that a few rows do not
+ * cost a tile that re-reads the expert's weights. */
 int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m) {
     return tile_m == WG_BM ? ((const CudaBackend *)ctx->backend)->ws_fold : 0;
 }
@@ -203,13 +177,9 @@ void plan_mma_variant(const CudaBackend *b, const colibri_moe_config_t *c, int64
     *narrow = tile_m == 16 && mma_narrow(b, c, num_tokens, glu, n, *long_k);
 }
 
-/* L2 prefetch of the up projection's first wave during the routing. From T = 16 to
- * 256 tokens the expert GEMMs are memory-bound, and HBM idles through the 10-25 us of router gemv,
- * top-k and permutation before them, because no expert kernel knows its experts
- * before the tile table exists. Guessing that every expert is touched (true from T = 64 on for E =
- * 60-64, k = 4-6, and for Mixtral from T = 16; 67-79% of the fine-grained experts at T = 16), a small
- * kernel running beside the router fetches into L2 the first k steps of the weight rows the first wave
- * of blocks starts on, about COLIBRI_PREFETCH_BYTES of them (L2: 50 MB on an H100/H200). */
+/* L2 prefetch of the up projection's first wave during the routing, while HBM idles: about this many
+ * bytes of the weight rows the first wave starts on, guessing every expert is touched (L2: 50 MB on an
+ * H100/H200). docs/cuda-design.md ("The L2 prefetch"). */
 #define COLIBRI_PREFETCH_BYTES (24u << 20)
 /* Shared memory of an H100/H200 SM, for the blocks of the 32- and 64-row kernels one SM holds (the
  * 16-row ones have their occupancy measured at setup): the plan runs only on compute capability 9.x,

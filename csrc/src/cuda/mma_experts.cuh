@@ -27,19 +27,10 @@ template <int BM> constexpr int mma_warps_m() { return BM >= 32 ? 2 : 1; }
 template <int BM, class Act, int BK, int BN = MMA_BN> constexpr size_t mma_stage_bytes() {
     return (size_t)(BM + BN * (Act::glu ? 2 : 1)) * BK * 2;
 }
-/* A BK=32 stage reads only 64 contiguous bytes of each weight row, and the next piece of that row
- * follows a k step later, by which time HBM has long closed the page: the memory-bound tiles (up to 64
- * rows) streamed weights at about half of copy bandwidth. BK=64 doubles each run, where three stages
- * of it still let two blocks share an SM (the bytes in flight per SM stay about the same): 1.6-1.7x
- * at T=64 on an H200. The GLU tiles of 64 rows keep BK=32 rather than drop to one
- * block per SM, and so do the 128-row tiles, where the GEMM is compute-bound: BK=64 with 3 stages
- * measured 2-7% slower there.
- * LONG: the tiles of up to 32 rows take BK=128, 256-byte runs, even where three stages of it leave one
- * block per SM (the bytes in flight stay the same). Measured on an H200: Mixtral T=16
- * and T=64 (K = 4096 and 14336; 16- and 32-row tiles) 1.06-1.09x, the fine-grained experts' 16-row
- * tiles (K = 1408-2048, T=16 and 64) 1.00-1.05x, but their 32-row tiles (T=256) 0.97-1.00x and their
- * 16-row tiles of a short grid (Qwen T=4) 0.95x: the launch asks for LONG from K = MMA_LONG_K on, or
- * with 16-row tiles whose grid is a few waves (mma16_long). */
+/* BK: the k elements of a stage. Longer runs of each weight row keep HBM's pages open (BK=32 reads 64
+ * bytes a row and streamed at half of copy bandwidth): 64 where three stages still let two blocks share
+ * an SM, but 32 for 64-row GLU tiles and the compute-bound 128-row ones; LONG (the launch's choice, see
+ * mma16_long): 128 for tiles of up to 32 rows even at one block per SM. Figures: docs/performance.md. */
 template <int BM, class Act, int BN = MMA_BN, bool LONG = false> constexpr int mma_bk() {
     if (LONG && BM <= MMA_LONG_K_MAX_BM && 3 * mma_stage_bytes<BM, Act, 128, BN>() <= MMA_SMEM_ONE_PER_SM) return 128;
     return BM < 128 && 3 * mma_stage_bytes<BM, Act, 64, BN>() <= MMA_SMEM_TWO_PER_SM ? 64 : 32;

@@ -19,12 +19,10 @@ struct PermuteArgs {
     int absorb; /* > 0: an expert's rows past its whole tiles ride on its last ones, up to this many each */
 };
 
-/* With `absorb`, the r rows an expert has past q >= 1 whole tiles go with its last m = ceil(r / absorb) whole
- * tiles, at most `absorb` more rows each (128 + up to 24: wgmma_ws_kernel's folded tiles),
- * instead of a tile of their own, where m is at most PERMUTE_FOLD_TILES and q. A folded item costs 1.2 plain
- * ones (on the cluster kernel the other tile of its pair too, their rings moving in step), a tile of 25-48
- * rows about 0.7 of a whole one or more: two folds paid at Mixtral T=1024 (1.07-1.16x), four lost (0.96x at
- * T=4096: 61-95 rows over 3-4 tiles). Returns m (0: no fold). */
+/* With `absorb`, the r rows an expert has past q >= 1 whole tiles go with its last m = ceil(r / absorb)
+ * whole tiles (wgmma_ws_kernel's folded tiles, up to `absorb` more rows each) instead of a tile of their
+ * own, where m is at most PERMUTE_FOLD_TILES and q: a folded item costs 1.2 plain ones, so more folds
+ * lose (docs/performance.md). Returns m (0: no fold). */
 #define PERMUTE_FOLD_TILES 2
 __device__ __forceinline__ int permute_folds(int c, int tile_m, int absorb) {
     const int q = c / tile_m, r = c % tile_m;
@@ -41,18 +39,11 @@ __device__ __forceinline__ int permute_tiles(int c, int tile_m, int absorb) {
 #define PERMUTE_ROUNDS 8 /* rounds of 32 assignments each warp ranks per chunk (one-block permutation) */
 
 /* Expert offsets, the tile table and the per-expert totals from count[E] (shared memory), by every thread
- * of one block; cursor[e] (if not NULL) gets offsets[e]. warp_sums: 32 ints of shared memory.
- * The tile table lists the tiles in expert order. With o.pairs it is in the order of the cluster kernel's
- * pairs (wgmma_ws_kernel with MC takes tiles 2q and 2q + 1 together and shares their weight block only where
- * both are of one expert), so that every pair but those of the partial tiles is of one expert: taking the
- * experts with an odd number of tiles two by two (a, b), b's partial (last) tile moves to just after a's
- * (the experts between them, of even counts, and b's other tiles one place on); an odd one out keeps its
- * place but for its partial tile, which goes to the end of the table (the experts after it one place back).
- * In expert order an expert with an odd number of tiles paired its last tile with the next expert's first,
- * which shares nothing: 5 of Mixtral's 10 pairs at T = 1024. The tiles stay near their
- * experts' places in expert order, so the pairs that share nothing stay spread over the table (all at its
- * end, they cost 3% at Mixtral T = 512). The order of the tiles does not change an output: each tile writes
- * its own rows. pair_ends: (E + 1) / 2 ints of shared memory, only with o.pairs. */
+ * of one block; cursor[e] (if not NULL) gets offsets[e]. warp_sums: 32 ints of shared memory. The table
+ * is in expert order, or with o.pairs in the cluster kernel's pair order: of the experts with an odd
+ * number of tiles, taken two by two (a, b), b's partial tile moves to just after a's, so that every pair
+ * but those of partial tiles is one expert's; an odd one out's partial tile goes to the end. The order
+ * changes no output. pair_ends: (E + 1) / 2 ints of shared memory, only with o.pairs. */
 __device__ __forceinline__ void permute_scan(const int *count, int E, int tile_m, const PermuteArgs &o, int *cursor,
                                              int *warp_sums, int *pair_ends) {
     /* each thread scans a contiguous run of experts */
@@ -242,12 +233,9 @@ __device__ __forceinline__ void permute_block(const int32_t *ids, int n, int E, 
 #define PERMUTE_WARP_MAX 128
 
 /* The whole permutation of n <= PERMUTE_WARP_MAX assignments by one warp: permute_block's steps with warp
- * synchronisation instead of block barriers, and no second read of the ids (lane l keeps assignments l,
- * l + 32, ... in registers). The same offsets, positions and tile table (in expert order). Measured on an
- * H200: at T=16 of DeepSeek-V2-Lite / Qwen1.5-MoE the permute kernel ended 4.1 / 2.2 us
- * sooner, at T=4 the route kernel 1.5 / 1.2 us sooner, 1.01-1.02x on those rows; a version that ranked
- * every assignment against every other by shuffles, with no shared memory,
- * ended 19-33 us later at T=16 and 8 us later at T=4. smem: 2 E ints. `trigger` as permute_block's. */
+ * synchronisation instead of block barriers, and the ids read once (lane l keeps assignments l, l + 32,
+ * ... in registers). The same offsets, positions and tile table (in expert order). smem: 2 E ints.
+ * `trigger` as permute_block's. */
 __device__ __forceinline__ void permute_warp(const int32_t *ids, int n, int E, int tile_m, const PermuteArgs &o,
                                              int *smem, bool trigger = false) {
     constexpr int R = PERMUTE_WARP_MAX / 32;

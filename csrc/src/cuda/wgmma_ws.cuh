@@ -12,50 +12,23 @@
 
 #if COLIBRI_TMA
 /* ---- Warp-specialised: a producer warpgroup loads, two consumer warpgroups multiply ----
- *
- * wgmma_kernel's 256 threads both load and multiply, and every k step ends in a block barrier before its
- * slot may be refilled: the products wait on the barrier and the loads on the products (the cp.async
- * issue and the barrier, not the bytes, kept its compute-bound tiles at 0.6-0.75 of the matmul rate).
- * Here a third warpgroup (threads 256-383) issues every load and the consumers (threads 0-255,
- * wgmma_kernel's layout and epilogue) only wait for their stage's data:
- *  - B, the stage's 256 weight rows x 64 k, comes by the tensor memory accelerator in two boxes of 128
- *    rows from a 3-d tensor map (k, row, expert) of the projection's weights, 128-byte swizzled (the
- *    ring's layout; rows and k past the matrix read 0). SWIGLU's map is [2F, H] per expert (the gate
- *    matrix, then the up matrix right after it), so the up box starts F rows on.
- *  - A, the tile's 128 token rows, is gathered through perm with cp.async by the 128 producer threads
- *    (8 rows of 16 bytes each per stage).
- *  - Slot s's "full" mbarrier completes when the 128 threads' cp.async have landed
- *    (cp.async.mbarrier.arrive.noinc) and producer thread 0's expected 32 KB of TMA bytes have arrived;
- *    its "empty" mbarrier when each of the 8 consumer warps has arrived once, after the products that
- *    read the slot are complete (wgmma.wait_group). The producer refills a slot after its empty phase.
- * So the loads run up to 3 stages ahead of the products (wgmma_kernel: 2, or 3 with a drain at every
- * stage), and through the epilogue. With DRAIN each stage's products are waited for (wgmma.wait_group 0)
- * and its slot released at once, so that the consumers hold no slot while they wait for the next stage's
- * data: 4 stages (128 KB of weights) in flight. experts_plan.cu's plan_ws_drain takes it for the streaming tiles of
- * short k loops. The producer gives its registers to the consumers (setmaxnreg: 64 and
- * 216 of the 168 per thread 384 threads start with, within the block's 384 x 168; at 56 and 224 nvcc 13's
- * ptxas spilled 4-28 bytes in the MC producer with the folded tiles' extra rows, and a folded item's
- * consumer holds 152 accumulators).
- * The epilogue stages 64 output columns a round (2 rounds for SWIGLU's 128, 4 for a linear item's 256)
- * and stores them with 16-byte stores (wg_store_part_direct): the ring's stages hold a folded tile's
- * extra rows too (below), which leaves no room for wgmma_kernel's 128-column staging buffer. No
- * block-wide barrier after the start: the producer returns when its loads are issued. */
+ * Threads 256-383 issue every load (weights by TMA from a (k, row, expert) tensor map, token rows by
+ * cp.async through perm) into a 4-slot ring of "full"/"empty" mbarriers; threads 0-255 multiply and
+ * store, waiting only for their stage's data, so loads run up to 3 stages ahead and through the
+ * epilogue. docs/cuda-design.md ("The Hopper kernel") has the design. The epilogue stages 64 columns a
+ * round: a folded tile's extra rows in the ring leave no room for wgmma_kernel's 128. */
 #define WS_THREADS (WG_THREADS + 128)
+/* setmaxnreg: the producer's registers go to the consumers (a folded item holds 152 accumulators);
+ * 56 / 224 made ptxas spill in the MC producer. */
 #define WS_PRODUCER_REGS 64
 #define WS_CONSUMER_REGS 216
 
-/* An expert's last few rows, folded into its last whole tile. permute_scan's `absorb` gives an
- * expert of 128q + r rows (q >= 1, 0 < r <= WS_EXTRA_ROWS) q tiles, the last of 128 + r rows (also
- * r <= 2 WS_EXTRA_ROWS for q >= 2: the last two of about 128 + r / 2 each, permute_folds), instead of a
- * tile of its own for the r rows: such a tile's items read the expert's whole weight block for a few rows
- * and cost about what a full item costs (Mixtral T=1024: three 8-row tiles made the forward 1.22x
- * longer). The producer gathers the extra rows into WS_EXTRA_ROWS rows at the front of each stage,
- * right before the tile's 128 (zeros past the tile's end), and both consumer warpgroups multiply the stage
- * transposed: the weight rows as wgmma's A operand (M, 64 per product), all 128 + WS_EXTRA_ROWS token rows
- * as its B (N = 152): (128 + 24) / 128 = 1.19x an item's tensor work, in the same asynchronous products
- * and slot releases as any item. Warpgroup w takes weight rows [64w, + 64) and [128 + 64w, + 64): SWIGLU's
- * gate and up rows of the same 64 output columns, so that act(gate, up) pairs registers of one thread;
- * else rows [128w, + 128). Its 2 x 76 accumulators are acc[0, 76), then acc[76, 128) and xacc[0, 24). */
+/* An expert's last few rows, folded into its last whole tile (permute_folds) rather than a tile of their
+ * own that re-reads the weight block. The producer gathers them into WS_EXTRA_ROWS rows at the front of
+ * each stage; the consumers multiply the stage transposed, the weight rows as wgmma's A (64 per
+ * product) and all 128 + WS_EXTRA_ROWS token rows as its B (N = 152). Warpgroup w takes weight rows
+ * [64w, + 64) and [128 + 64w, + 64) (a GLU's gate and up rows of the same columns: act(gate, up) pairs
+ * one thread's registers), else [128w, + 128); accumulators acc[0, 128) and xacc[0, 24). */
 #define WS_EXTRA_ROWS 24
 #define WS_TN (WG_BM + WS_EXTRA_ROWS) /* token rows of a folded item's products */
 #define WS_TH (WS_TN / 2)             /* accumulators per thread of one m64 x WS_TN product */
@@ -178,19 +151,11 @@ __device__ __forceinline__ void ws_block_done(unsigned *sched, unsigned askers) 
     }
 }
 
-/* Chained projections: the second projection of a SWIGLU forward on wgmma_ws_kernel reads a tile's
- * rows of inter once the first projection's items of that tile are stored, not once the whole first projection
- * has ended (its grid dependency). The first projection's consumers count each stored item in ready[tile]
- * (after a barrier of both warpgroups, one release reduction by one thread); the second projection's producer
- * waits (one thread's acquire loads, then the producers' barrier) for ready_need, the first projection's column
- * blocks, in ready[tile] before the item's first token-row loads, its first weights already asked for. The
- * second projection's blocks become resident as the first projection's run out of items and start on the
- * tiles already done instead of idling at a grid dependency through the first projection's last items: the
- * first tiles, where the first projection has at most WG_GROUP_N column blocks (wg_item: F <= 2048, the
- * fine-grained shapes), else those of its last group handed out first. Its griddepcontrol.wait moves to its
- * end, so that it still completes after the first. The permutation zeroes ready[] with the tile table
- * (permute.cuh). experts_plan.cu's plan_ws_chain says where it runs (F <= 2048, or the cluster kernel); there
- * 0.99-1.04x (Mixtral T=1024-1216 1.02-1.04x, DeepSeek T=256 1.01-1.02x), the same bits. */
+/* Chained projections: the second projection of a SWIGLU forward reads a tile's rows of inter once the
+ * first projection's items of that tile are stored (ready[tile] reaches ready_need: one release
+ * reduction per stored item, acquire loads by the second's producer), not once the first has ended; its
+ * blocks start on finished tiles instead of idling at the grid dependency, and its griddepcontrol.wait
+ * moves to its end. The permutation zeroes ready[]; experts_plan.cu's plan_ws_chain says where. */
 __device__ __forceinline__ void ws_chain_signal(unsigned *ready) {
     asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(ready) : "memory");
 }
@@ -287,15 +252,10 @@ __device__ __forceinline__ void ws_tma_rows_mc(uint32_t dst, uint64_t map, int k
 #endif
 }
 
-/* MC: the grid is clusters of two blocks; a unit of work is a pair of tiles 2q, 2q + 1 (rank r takes
- * tile 2q + r; rank 1 has none past the last tile) for one column block. Where both tiles are of one
- * expert (every pair but those of experts' partial tiles, in permute_scan's pair order) their weight block
- * is shared: each rank loads half of every stage's 256 weight rows by a TMA multicast into both blocks
- * (L2 -> SM traffic of the weights halved); else each loads its own. Either
- * way each block's "empty" barriers count the consumer warps of both, so the two run their rings in step,
- * and rank 0 takes the units from the counter and hands them to rank 1.
- * experts_plan.cu's ws_multicast picks it where the experts have few tiles each (1.03-1.12x there; 0.97-0.99x
- * with more, whose tiles share weight blocks in L2 well enough on one block each). */
+/* MC: clusters of two blocks; a unit of work is a pair of tiles 2q, 2q + 1 (rank r takes tile 2q + r)
+ * for one column block. Where both tiles are of one expert, each rank loads half of every stage's weight
+ * rows by a TMA multicast into both blocks (L2 -> SM weight traffic halved). Each block's "empty"
+ * barriers count both blocks' consumer warps, so the rings run in step; rank 0 hands units to rank 1. */
 template <class T, class Act, bool MC, bool DRAIN>
 __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_constant__ CUtensorMap wmap, ProjArgs a) {
     static_assert(!(MC && DRAIN), "the cluster kernel runs the compute-bound tiles only");
