@@ -31,6 +31,14 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _layer(text: str):
+    if text == "all":
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected a layer index or 'all', got {text!r}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m colibri", description="Colibri MoE layer engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -40,15 +48,27 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("watch", help="run a server command and restart it when it dies or stops answering "
                                  "(python -m colibri watch --help)")
 
-    pack = sub.add_parser("pack", help="convert one MoE layer of a Hugging Face safetensors checkpoint")
+    pack = sub.add_parser("pack", help="convert MoE layers of a Hugging Face safetensors checkpoint (families: "
+                                        "python -m colibri pack --help)",
+                          description="Packs MoE layers of a Hugging Face model whose config.json names a family "
+                                      "pack knows: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, "
+                                      "glm4_moe, gpt_oss. Anything else is refused unless --unverified-routing.")
     pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
-    pack.add_argument("--out", required=True, help="output *.colibri.safetensors")
-    pack.add_argument("--layer", type=int, help="decoder layer index (default: the first MoE layer)")
+    pack.add_argument("--out", required=True, help="output *.colibri.safetensors (with --layer all: a folder, "
+                                                   "written with layer{N}.colibri.safetensors)")
+    pack.add_argument("--layer", type=_layer, help="decoder layer index, or 'all' (default: the first MoE layer)")
     pack.add_argument("--dtype", default="keep", choices=("keep", "bf16", "fp16", "fp32"))
-    pack.add_argument("--top-k", type=int, help="override config.json num_experts_per_tok")
-    pack.add_argument("--routing", choices=ROUTINGS, help="override the routing derived from config.json")
-    pack.add_argument("--renormalize", type=_bool, help="override config.json norm_topk_prob (true|false)")
-    pack.add_argument("--routed-scaling-factor", type=float, help="override config.json routed_scaling_factor")
+    pack.add_argument("--verify", action="store_true",
+                      help="compare each packed layer with transformers' own MoE block (needs torch and "
+                           "transformers); a layer off by more than 1e-5 is deleted and pack fails")
+    pack.add_argument("--unverified-routing", action="store_true",
+                      help="accept an unknown model_type or no config.json, and the overrides below: the layer "
+                           "may then compute something other than the model")
+    pack.add_argument("--top-k", type=int, help="override config.json num_experts_per_tok (--unverified-routing)")
+    pack.add_argument("--routing", choices=ROUTINGS, help="override the family's routing (--unverified-routing)")
+    pack.add_argument("--renormalize", type=_bool, help="override norm_topk_prob, true|false (--unverified-routing)")
+    pack.add_argument("--routed-scaling-factor", type=float,
+                      help="override config.json routed_scaling_factor (--unverified-routing)")
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
 
     demo = sub.add_parser("demo", help="write a synthetic demo checkpoint")
@@ -106,17 +126,23 @@ def main(argv=None) -> int:
         from colibri import watchdog
         return (watchdog.main_probe if argv[0] == "probe" else watchdog.main_watch)(argv[1:])
     args = _parser().parse_args(argv)
-    problem = out_problem(args.out) if args.command in ("pack", "demo") else None
+    all_layers = args.command == "pack" and args.layer == "all"
+    problem = out_problem(args.out) if args.command in ("pack", "demo") and not all_layers else None
     if problem:
         print(f"colibri {args.command}: {problem}", file=sys.stderr)
         return 1
     try:
         if args.command == "pack":
             from colibri import pack
-            pack.pack(args.src, args.out, layer=args.layer, dtype=args.dtype, top_k=args.top_k,
-                      routing=args.routing, renormalize=args.renormalize,
-                      routed_scaling_factor=args.routed_scaling_factor, progress=not args.quiet)
-            print(f"colibri pack: wrote {args.out}")
+            configs = pack.pack(args.src, args.out, layer=args.layer, dtype=args.dtype, top_k=args.top_k,
+                                routing=args.routing, renormalize=args.renormalize,
+                                routed_scaling_factor=args.routed_scaling_factor, progress=not args.quiet,
+                                unverified_routing=args.unverified_routing, verify=args.verify)
+            checked = " (verified against transformers)" if args.verify else ""
+            if all_layers:
+                print(f"colibri pack: wrote {len(configs)} layers into {args.out}{checked}")
+            else:
+                print(f"colibri pack: wrote {args.out}{checked}")
         elif args.command == "demo":
             config = checkpoint.write_demo(args.out, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                                            intermediate=args.intermediate, dtype=args.dtype, seed=args.seed,

@@ -1,20 +1,50 @@
-"""Converts one MoE layer of a Hugging Face safetensors checkpoint into a packed Colibri checkpoint
+"""Converts the MoE layers of a Hugging Face safetensors checkpoint into packed Colibri checkpoints
 (see colibri/checkpoint.py), reading tensors lazily through memory maps so a large model is never
-loaded whole. Layouts understood, under `<prefix>layers.N.<block>.` with block `block_sparse_moe` or
-`mlp`:
+loaded whole. Nothing is unpickled.
 
-    Mixtral        gate.weight [E,H]; experts.M.w1 / w3 / w2.weight = gate [F,H] / up [F,H] / down [H,F]
-    Qwen/DeepSeek  gate.weight [E,H]; experts.M.gate_proj / up_proj / down_proj.weight (same shapes);
-                   DeepSeek-V3 gate.e_score_correction_bias [E] -> router_bias (sigmoid_bias routing)
-    fused          experts.gate_up_proj [E,2F,H], experts.down_proj [E,H,F]. In recent transformers
-                   (e.g. Qwen3-MoE, DeepSeek-V3, Qwen3-Omni experts modules) the expert forward is
-                   `gate, up = linear(x, gate_up_proj[e]).chunk(2, dim=-1)`: rows [0, F) are gate and
-                   rows [F, 2F) up, each [F,H] like nn.Linear.weight; down_proj[e] is [H,F]. So a row of
-                   `experts` is gate_up_proj[e] then down_proj[e], verbatim. Models that store it
-                   transposed ([E,H,2F], GPT-OSS / Llama-4 style, some interleaved) are refused.
+pack knows what it packs: config.json's model_type names the family, and every MoE setting is read
+from config.json with that family's transformers 5.25 defaults (configuration_*.py), so the packed
+layer computes what transformers' MoE block of that family computes:
 
-Routing, top-k and renormalisation come from config.json beside the weights, with overrides. Layers
-with shared experts are refused (not supported yet), never silently dropped. Nothing is unpickled."""
+    family                   model_type    routing                       also packed
+    Mixtral                  mixtral       softmax, top-k, renormalised
+    Qwen1.5/Qwen2-MoE        qwen2_moe     softmax, top-k, norm_topk_prob shared expert + sigmoid gate
+    Qwen3-MoE                qwen3_moe     softmax, top-k, norm_topk_prob
+    OLMoE                    olmoe         softmax, top-k, norm_topk_prob
+    DeepSeek-V2              deepseek_v2   softmax, greedy or group_limited_greedy (group max),
+                                           times routed_scaling_factor, never renormalised (as
+                                           transformers' DeepseekV2TopkRouter)   shared experts
+    DeepSeek-V3              deepseek_v3   sigmoid + e_score_correction_bias, group top-2 sum,
+                                           norm_topk_prob, routed_scaling_factor  shared experts
+    GLM-4.5                  glm4_moe      as DeepSeek-V3                          shared experts
+    gpt-oss                  gpt_oss       logits + router bias, top-k then softmax; clamped SwiGLU
+                                           (swiglu_alpha, swiglu_limit) with expert biases
+
+Refused, naming the reason: PhiMoE (sparsemixer routing is not implemented), Kimi-K2 (transformers
+has no kimi_k2 to check it against), MXFP4-quantised gpt-oss experts (`*_blocks`/`*_scales`: not
+dequantised here; dequantise to bf16 first), any tensor in an MoE block that the family does not
+explain (a bias, a quantisation scale), a dense layer, and any other model_type or a folder without
+config.json. `unverified_routing=True` (`--unverified-routing`) lets through an unknown model_type (a
+family named by config.json's `architectures`, else the generic reading below) and the overrides of
+top_k, routing, renormalize and routed_scaling_factor, each of which may make the layer compute
+something other than the model.
+
+Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `mlp`):
+
+    per expert     experts.M.w1 / w3 / w2.weight (Mixtral) or experts.M.gate_proj / up_proj /
+                   down_proj.weight = gate [F,H] / up [F,H] / down [H,F]: hub checkpoints, and what
+                   transformers 5.25's save_pretrained writes
+    fused          experts.gate_up_proj [E,2F,H] (rows [0,F) gate, [F,2F) up), experts.down_proj
+                   [E,H,F]: transformers 5's in-memory layout
+    gpt-oss        experts.gate_up_proj [E,H,2F] with gate and up interleaved (gate = [..., ::2],
+                   up = [..., 1::2]), gate_up_proj_bias [E,2F], down_proj [E,F,H], down_proj_bias
+                   [E,H]: de-interleaved and transposed into gate [F,H], up [F,H], down [H,F]
+
+`verify=True` (`--verify`, needs torch and transformers) builds the family's MoE block with
+transformers from config.json and the source tensors and compares it, in fp32 on random tokens, with
+the packed layer (colibri's CPU layer, or colibri.reference where the library predates
+colibri_moe_context_create); on a relative error above 1e-5 the packed file is deleted and pack fails."""
+import dataclasses
 import json
 import pathlib
 import re
@@ -30,9 +60,9 @@ from colibri.dtypes import from_float, to_float32
 from colibri.config import ROUTINGS, LayerConfig
 
 MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
-                      r"(?:gate\.weight|experts\.)")
+                      r"(?:gate\.weight|router\.weight|experts\.)")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
-SHARED_EXPERT_PARTS = ("shared_expert.", "shared_experts.", "shared_expert_gate.")
+VERIFY_TOLERANCE = 1e-5
 
 
 def _fail(message) -> ColibriError:
@@ -126,21 +156,334 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _find_layer(source: _Source, layer):
+# ---------------------------------------------------------------------------------------------------
+# Families: what each model_type's MoE block computes, read from config.json with transformers'
+# defaults for that family (transformers 5.25, models/<family>/configuration_*.py).
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One family's MoE layer as read from config.json: the LayerConfig fields and where the weights are."""
+    family: str
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str
+    renormalize: bool
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    activation: str = "silu"
+    activation_alpha: float = 1.702
+    activation_limit: float = 7.0
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    shared_name: str = None          # "shared_expert" (Qwen2-MoE) or "shared_experts" (DeepSeek, GLM)
+    router: str = "gate"             # the router module's name in the block
+    correction_bias: bool = False    # gate.e_score_correction_bias -> router_bias
+    gpt_oss: bool = False            # gpt-oss expert layout, router bias and expert biases
+    blocks: tuple = ("mlp",)
+    moe_layers: object = None        # layer index -> whether it is an MoE layer (None: unknown)
+    dense_rule: str = ""             # the config fields moe_layers follows, for messages
+    num_layers: int = None
+    hidden_size: int = None
+
+
+def _get(hf, key, default):
+    """config.json's value, or transformers' default when the key is absent or null."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def _require_silu(hf, family):
+    act = _get(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise _fail(f"config.json hidden_act={act!r}: Colibri's {family} experts are SwiGLU with SiLU only")
+
+
+def _mixtral(hf):
+    _require_silu(hf, "mixtral")
+    return _Plan("mixtral", _get(hf, "num_local_experts", 8), _get(hf, "num_experts_per_tok", 2),
+                 _get(hf, "intermediate_size", 14336), "softmax_topk", True,
+                 blocks=("block_sparse_moe", "mlp"), moe_layers=lambda i: True, dense_rule="every layer is MoE")
+
+
+def _qwen_moe_layers(hf):
+    sparse_step, only_mlp = _get(hf, "decoder_sparse_step", 1), set(_get(hf, "mlp_only_layers", []))
+    experts = _get(hf, "num_experts", 0)
+    return (lambda i: i not in only_mlp and experts > 0 and (i + 1) % sparse_step == 0,
+            f"decoder_sparse_step={sparse_step}, mlp_only_layers={sorted(only_mlp)}")
+
+
+def _qwen2_moe(hf):
+    _require_silu(hf, "qwen2_moe")
+    moe, rule = _qwen_moe_layers(dict(hf, num_experts=_get(hf, "num_experts", 60)))
+    return _Plan("qwen2_moe", _get(hf, "num_experts", 60), _get(hf, "num_experts_per_tok", 4),
+                 _get(hf, "moe_intermediate_size", 1408), "softmax_topk", bool(_get(hf, "norm_topk_prob", False)),
+                 shared_intermediate_size=_get(hf, "shared_expert_intermediate_size", 5632), shared_gate=True,
+                 shared_name="shared_expert", moe_layers=moe, dense_rule=rule)
+
+
+def _qwen3_moe(hf):
+    _require_silu(hf, "qwen3_moe")
+    moe, rule = _qwen_moe_layers(dict(hf, num_experts=_get(hf, "num_experts", 128)))
+    return _Plan("qwen3_moe", _get(hf, "num_experts", 128), _get(hf, "num_experts_per_tok", 8),
+                 _get(hf, "moe_intermediate_size", 768), "softmax_topk", bool(_get(hf, "norm_topk_prob", False)),
+                 moe_layers=moe, dense_rule=rule)
+
+
+def _olmoe(hf):
+    _require_silu(hf, "olmoe")
+    return _Plan("olmoe", _get(hf, "num_experts", 64), _get(hf, "num_experts_per_tok", 8),
+                 _get(hf, "intermediate_size", 2048), "softmax_topk", bool(_get(hf, "norm_topk_prob", False)),
+                 moe_layers=lambda i: True, dense_rule="every layer is MoE")
+
+
+def _deepseek_layers(hf, family, default_dense):
+    freq = _get(hf, "moe_layer_freq", 1)
+    if freq != 1:
+        # DeepSeek's own code also skips layers with layer % moe_layer_freq != 0; transformers ignores it.
+        raise _fail(f"config.json moe_layer_freq={freq}: DeepSeek's code and transformers' {family} disagree on "
+                    "which layers are MoE (transformers ignores moe_layer_freq); refused rather than guessed")
+    dense = _get(hf, "first_k_dense_replace", default_dense)
+    return (lambda i: i >= dense), f"first_k_dense_replace={dense}"
+
+
+def _shared_size(hf, family, moe_intermediate):
+    n_shared = hf["n_shared_experts"] if "n_shared_experts" in hf else (2 if family == "deepseek_v2" else 1)
+    if n_shared is None or n_shared < 1:
+        raise _fail(f"config.json n_shared_experts={n_shared!r}: transformers' {family} block always builds "
+                    "n_shared_experts * moe_intermediate_size shared experts and cannot run without them")
+    # transformers builds n_shared_experts shared experts as one MLP this many times wider.
+    return n_shared * moe_intermediate
+
+
+def _deepseek_v2(hf):
+    _require_silu(hf, "deepseek_v2")
+    if _get(hf, "mlp_bias", False):
+        raise _fail("config.json mlp_bias=true: DeepSeek-V2 experts with biases are not supported "
+                    "(Colibri's shared expert has no biases)")
+    scoring = _get(hf, "scoring_func", "softmax")
+    if scoring != "softmax":
+        raise _fail(f"config.json scoring_func={scoring!r}: transformers' DeepSeek-V2 router is softmax only")
+    if _get(hf, "norm_topk_prob", False):
+        # DeepSeek's code would renormalise (and not scale); transformers 5.25 never renormalises.
+        raise _fail("config.json norm_topk_prob=true: DeepSeek-V2's own code renormalises the top-k weights "
+                    "(without routed_scaling_factor) but transformers' DeepseekV2TopkRouter never does; "
+                    "refused rather than picking one")
+    method = _get(hf, "topk_method", "greedy")
+    E, F = _get(hf, "n_routed_experts", 64), _get(hf, "moe_intermediate_size", 1407)
+    top_k = hf.get("num_experts_per_tok")
+    if top_k is None:
+        raise _fail("config.json has no num_experts_per_tok (transformers' deepseek_v2 has no default)")
+    groups = {}
+    if method == "group_limited_greedy":
+        n_group, topk_group = hf.get("n_group"), hf.get("topk_group")
+        if not n_group or not topk_group:
+            raise _fail("config.json topk_method=group_limited_greedy needs n_group and topk_group")
+        groups = dict(n_group=n_group, topk_group=topk_group, group_score="max")
+    elif method != "greedy":
+        raise _fail(f"config.json topk_method={method!r}: transformers' DeepSeek-V2 knows greedy and "
+                    "group_limited_greedy only")
+    moe, rule = _deepseek_layers(hf, "deepseek_v2", 0)
+    return _Plan("deepseek_v2", E, top_k, F, "softmax_topk", False,
+                 float(_get(hf, "routed_scaling_factor", 1.0)), shared_intermediate_size=_shared_size(hf, "deepseek_v2", F),
+                 shared_name="shared_experts", moe_layers=moe, dense_rule=rule, **groups)
+
+
+def _sigmoid_grouped(hf, family, defaults):
+    """DeepSeek-V3 and GLM-4.5: sigmoid scores, e_score_correction_bias, group top-2 sum."""
+    _require_silu(hf, family)
+    scoring = hf.get("scoring_func")
+    if scoring is not None and scoring != "sigmoid":
+        raise _fail(f"config.json scoring_func={scoring!r}: transformers' {family} router is sigmoid only")
+    method = hf.get("topk_method")
+    if method is not None and method != "noaux_tc":
+        raise _fail(f"config.json topk_method={method!r}: transformers' {family} router is noaux_tc only")
+    if _get(hf, "mlp_bias", False):
+        raise _fail(f"config.json mlp_bias=true: transformers' {family} experts have no biases")
+    E, F = _get(hf, "n_routed_experts", defaults["E"]), _get(hf, "moe_intermediate_size", defaults["F"])
+    n_group, topk_group = _get(hf, "n_group", defaults["n_group"]), _get(hf, "topk_group", defaults["topk_group"])
+    moe, rule = _deepseek_layers(hf, family, defaults["dense"])
+    # One group (GLM-4.5) keeps every expert: the same as no group limit.
+    return _Plan(family, E, _get(hf, "num_experts_per_tok", 8), F, "sigmoid_bias",
+                 bool(_get(hf, "norm_topk_prob", True)), float(_get(hf, "routed_scaling_factor", defaults["scale"])),
+                 n_group=n_group if n_group > 1 else 1, topk_group=topk_group if n_group > 1 else 1,
+                 group_score="top2_sum", shared_intermediate_size=_shared_size(hf, family, F),
+                 shared_name="shared_experts", correction_bias=True, moe_layers=moe, dense_rule=rule)
+
+
+def _deepseek_v3(hf):
+    return _sigmoid_grouped(hf, "deepseek_v3", dict(E=256, F=2048, n_group=8, topk_group=4, dense=3, scale=2.5))
+
+
+def _glm4_moe(hf):
+    return _sigmoid_grouped(hf, "glm4_moe", dict(E=128, F=1408, n_group=1, topk_group=1, dense=1, scale=1.0))
+
+
+def _gpt_oss(hf):
+    return _Plan("gpt_oss", _get(hf, "num_local_experts", 128), _get(hf, "num_experts_per_tok", 4),
+                 _get(hf, "intermediate_size", 2880), "topk_softmax", False, activation="swiglu_oai",
+                 activation_alpha=float(_get(hf, "swiglu_alpha", 1.702)),
+                 activation_limit=float(_get(hf, "swiglu_limit", 7.0)), router="router", gpt_oss=True,
+                 moe_layers=lambda i: True, dense_rule="every layer is MoE")
+
+
+FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
+            "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3, "glm4_moe": _glm4_moe, "gpt_oss": _gpt_oss}
+REFUSED_FAMILIES = {
+    "phimoe": "PhiMoE's sparsemixer routing is not implemented (its top-2 selection and weights differ from "
+              "every Colibri routing; packing it as softmax top-k would compute something else)",
+    "kimi_k2": "transformers has no kimi_k2 model to check Kimi-K2's routing against (its config names "
+               "DeepseekV3ForCausalLM: --unverified-routing packs it with DeepSeek-V3's semantics)",
+}
+# Other names config.json may use for a key the family reads (transformers' attribute_map: e.g.
+# transformers 5.25 writes qwen3_moe's expert count as num_local_experts, the hub's files num_experts).
+ALIASES = {"mixtral": {"num_experts": "num_local_experts"}, "qwen3_moe": {"num_local_experts": "num_experts"},
+           "olmoe": {"num_local_experts": "num_experts"}, "deepseek_v2": {"num_experts": "n_routed_experts"},
+           "deepseek_v3": {"num_local_experts": "n_routed_experts"},
+           "glm4_moe": {"num_local_experts": "n_routed_experts"}, "gpt_oss": {"num_experts": "num_local_experts"}}
+
+
+def _resolve_aliases(hf, family):
+    hf = dict(hf)
+    for alias, key in ALIASES.get(family, {}).items():
+        if hf.get(alias) is None:
+            continue
+        if hf.get(key) is not None and hf[key] != hf[alias]:
+            raise _fail(f"config.json {alias}={hf[alias]} and {key}={hf[key]} disagree")
+        hf[key] = hf[alias]
+    return hf
+
+
+# config.json `architectures` -> family, for an unknown model_type under --unverified-routing.
+ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
+                 "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                 "Glm4MoeForCausalLM": "glm4_moe", "GptOssForCausalLM": "gpt_oss"}
+# transformers' MoE block of each family, for --verify: (module, class).
+BLOCK_CLASSES = {"mixtral": ("mixtral", "MixtralSparseMoeBlock"), "qwen2_moe": ("qwen2_moe", "Qwen2MoeSparseMoeBlock"),
+                 "qwen3_moe": ("qwen3_moe", "Qwen3MoeSparseMoeBlock"), "olmoe": ("olmoe", "OlmoeSparseMoeBlock"),
+                 "deepseek_v2": ("deepseek_v2", "DeepseekV2Moe"), "deepseek_v3": ("deepseek_v3", "DeepseekV3MoE"),
+                 "glm4_moe": ("glm4_moe", "Glm4MoeMoE"), "gpt_oss": ("gpt_oss", "GptOssMLP")}
+
+
+def _generic(hf, overrides):
+    """The unverified reading of an unknown model: the v1 packer's heuristics over common config keys."""
+    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or hf.get("n_group") or 1
+    scoring = hf.get("scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise _fail(f"config.json scoring_func={scoring!r} is not supported (softmax, sigmoid)")
+    routing = overrides["routing"] or ("sigmoid_bias" if scoring == "sigmoid" else "softmax_topk")
+    top_k = overrides["top_k"] or hf.get("num_experts_per_tok")
+    if top_k is None:
+        raise _fail("top_k unknown: no num_experts_per_tok in a config.json beside the weights; pass --top-k")
+    E = next((hf[k] for k in ("n_routed_experts", "num_local_experts", "num_experts") if k in hf), None)
+    F = next((hf[k] for k in ("moe_intermediate_size", "intermediate_size") if k in hf), None)
+    return _Plan("generic", E, int(top_k), F, routing, bool(hf.get("norm_topk_prob", True)),
+                 float(hf.get("routed_scaling_factor") or 1.0),
+                 n_group=n_group if topk_group < n_group else 1, topk_group=topk_group if topk_group < n_group else 1,
+                 group_score="top2_sum" if routing == "sigmoid_bias" else "max",
+                 correction_bias=routing == "sigmoid_bias", blocks=("block_sparse_moe", "mlp"))
+
+
+def _read_config(folder: pathlib.Path):
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as exc:
+        raise _fail(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise _fail(f"{path}: not a JSON object")
+    return config
+
+
+def _plan(hf, overrides, unverified: bool) -> _Plan:
+    """The family's plan for config.json `hf` (None: no config.json), overrides applied."""
+    supported = ", ".join(FAMILIES)
+    changed = [f"--{k.replace('_', '-')}" for k, v in overrides.items() if v is not None]
+    if changed and not unverified:
+        raise _fail(f"{', '.join(changed)} may make the layer compute something other than the model; pass "
+                    "--unverified-routing (unverified_routing=True) to accept that")
+    if hf is None:
+        if not unverified:
+            raise _fail(f"no config.json beside the weights, so the model family is unknown (supported: {supported}); "
+                        "pass --unverified-routing to pack with generic settings")
+        hf = {}
+    model_type = hf.get("model_type")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
+        model_type, hf = text["model_type"], {**hf, **text}  # multimodal: the language model's settings
+    if model_type in REFUSED_FAMILIES and not (unverified and model_type == "kimi_k2"):
+        raise _fail(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
+    if model_type in FAMILIES:
+        plan = FAMILIES[model_type](_resolve_aliases(hf, model_type))
+    elif not unverified:
+        raise _fail(f"model_type {model_type!r} is not a family pack knows (supported: {supported}); "
+                    "pass --unverified-routing to pack it anyway, with settings that may differ from the model's")
+    else:
+        family = next((ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
+        plan = FAMILIES[family](_resolve_aliases(hf, family)) if family else _generic(hf, overrides)
+        plan = dataclasses.replace(plan, family=f"{plan.family} (unverified: model_type {model_type!r})")
+    plan.num_layers, plan.hidden_size = hf.get("num_hidden_layers"), hf.get("hidden_size")
+    if overrides["top_k"] is not None:
+        plan.top_k = overrides["top_k"]
+    if overrides["routing"] is not None:
+        plan.routing = overrides["routing"]
+    if overrides["renormalize"] is not None:
+        plan.renormalize = overrides["renormalize"]
+    if overrides["routed_scaling_factor"] is not None:
+        plan.routed_scaling_factor = overrides["routed_scaling_factor"]
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layers and weights
+
+
+def _found_layers(source: _Source, blocks) -> dict:
+    """Decoder layer index -> its MoE block's tensor prefix, for the layers with MoE tensors."""
     found = {}
     for name in source.where:
         match = MOE_NAME.match(name)
-        if match:
+        if match and match["block"] in blocks:
             found.setdefault(int(match["layer"]), set()).add((match["prefix"], match["block"]))
+    return {layer: "{0}{layer}.{1}.".format(*min(pairs, key=lambda p: (len(p[0]), p[1])), layer=layer)
+            for layer, pairs in found.items()}
+
+
+def _choose_layers(plan: _Plan, found: dict, layer):
+    """The (layer, prefix) pairs to pack: one layer, the first MoE layer, or all ('all')."""
+    def moe(i):
+        return plan.moe_layers is None or plan.moe_layers(i)
+    if plan.num_layers is not None:
+        beyond = sorted(i for i in found if i >= plan.num_layers)
+        found = {i: base for i, base in found.items() if i < plan.num_layers}
+        if isinstance(layer, int) and layer in beyond:
+            raise _fail(f"layer {layer} is beyond config.json num_hidden_layers={plan.num_layers} (e.g. a "
+                        "multi-token-prediction layer), which transformers does not run")
+    dense_with_experts = sorted(i for i in found if not moe(i))
+    if dense_with_experts:
+        raise _fail(f"layer {dense_with_experts[0]} has MoE tensors but config.json makes it dense "
+                    f"({plan.dense_rule}): the config and the weights disagree")
     if not found:
-        raise _fail("no MoE layer found (expected tensors like model.layers.N.block_sparse_moe.gate.weight or "
+        raise _fail("no MoE layer found (expected tensors like model.layers.N.mlp.gate.weight and "
                     "model.layers.N.mlp.experts.M.gate_proj.weight)")
+    listing = ", ".join(map(str, sorted(found)))
     if layer is None:
-        layer = min(found)
-    elif layer not in found:
-        raise _fail(f"layer {layer} is not an MoE layer; MoE layers: {', '.join(map(str, sorted(found)))}")
-    prefix, block = min(found[layer], key=lambda pair: (len(pair[0]), pair[1]))
-    return layer, f"{prefix}{layer}.{block}."
+        first = min(found)
+        return [(first, found[first])]
+    if layer == "all":
+        return sorted(found.items())
+    if not moe(layer):
+        raise _fail(f"layer {layer} is a dense layer ({plan.dense_rule}): it has no experts to pack; "
+                    f"MoE layers here: {listing}")
+    if layer not in found:
+        raise _fail(f"layer {layer} is not an MoE layer; MoE layers: {listing}")
+    return [(layer, found[layer])]
 
 
 def _check_dtype(source, names, what) -> str:
@@ -154,156 +497,144 @@ def _check_dtype(source, names, what) -> str:
 
 
 def _expect_shape(source, name, shape) -> None:
+    if name not in source:
+        raise _fail(f"missing tensor {name}")
     actual = source.info(name).shape
     if actual != tuple(shape):
         raise _fail(f"{name}: shape {list(actual)}, expected {list(shape)}")
 
 
-def _layout(source: _Source, base: str):
-    """(layout name, E, H, F, source dtype, function m -> the arrays of expert m's packed row)."""
-    router = base + "gate.weight"
+@dataclasses.dataclass
+class _Layer:
+    """Where one MoE layer's weights are, checked against the plan: the tensor names it uses and
+    functions giving each packed row."""
+    E: int
+    H: int
+    F: int
+    layout: str
+    dtype: str                      # safetensors dtype of the expert weights
+    expert_row: object              # m -> list of arrays (source dtype) making expert m's packed row
+    used: set
+    bias_row: object = None         # m -> float32 [2F+H]
+    shared: list = None             # names of gate, up, down
+    shared_gate: str = None
+    correction_bias: str = None
+    logit_bias: str = None
+
+
+def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
+    router = base + plan.router + ".weight"
     if router not in source:
         raise _fail(f"missing router {router}")
-    E, H = source.info(router).shape if len(source.info(router).shape) == 2 else (None, None)
-    if E is None:
-        raise _fail(f"{router}: expected a 2-D [E, H] router, got shape {list(source.info(router).shape)}")
+    shape = source.info(router).shape
+    if len(shape) != 2:
+        raise _fail(f"{router}: expected a 2-D [E, H] router, got shape {list(shape)}")
+    E, H = shape
+    for key, value, what in (("num_experts", plan.num_experts, E), ("hidden_size", plan.hidden_size, H)):
+        if value is not None and value != what:
+            raise _fail(f"config.json gives {key}={value} but {router} has shape {list(shape)}")
+    if plan.gpt_oss:
+        layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size)
+    else:
+        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router)
+    layer.used.add(router)
+    if plan.shared_intermediate_size:
+        Fs = plan.shared_intermediate_size
+        names = [f"{base}{plan.shared_name}.{p}_proj.weight" for p in ("gate", "up", "down")]
+        for name, shape in zip(names, ((Fs, H), (Fs, H), (H, Fs))):
+            _expect_shape(source, name, shape)
+        if _check_dtype(source, names, "shared expert weights") != layer.dtype:
+            raise _fail(f"{names[0]}: dtype {source.info(names[0]).dtype}, the experts' is {layer.dtype} "
+                        "(pass --dtype to convert both)")
+        layer.shared = names
+        layer.used.update(names)
+        if plan.shared_gate:
+            layer.shared_gate = f"{base}{plan.shared_name}_gate.weight"
+            _expect_shape(source, layer.shared_gate, (1, H))
+            layer.used.add(layer.shared_gate)
+    if plan.correction_bias:
+        name = base + "gate.e_score_correction_bias"
+        if name in source or not plan.family.startswith("generic"):
+            _expect_shape(source, name, (E,))
+            layer.correction_bias = name
+            layer.used.add(name)
+    unexplained = sorted(n for n in source.where if n.startswith(base) and n not in layer.used)
+    if unexplained:
+        raise _fail(f"{unexplained[0]}{f' (and {len(unexplained) - 1} more)' if len(unexplained) > 1 else ''}: "
+                    f"a tensor of the MoE block that {plan.family}'s layer does not use; packing without it "
+                    "would change what the layer computes")
+    return layer
+
+
+def _locate_swiglu(source, base, E, H, F_config, router) -> _Layer:
     if base + "experts.gate_up_proj" in source:
         gate_up, down = base + "experts.gate_up_proj", base + "experts.down_proj"
         if down not in source:
             raise _fail(f"missing {down} (the fused layout needs gate_up_proj and down_proj)")
         shape = source.info(gate_up).shape
         if len(shape) != 3 or shape[0] != E or shape[1] % 2 or shape[2] != H:
-            hint = " (looks transposed, [E, H, 2F]: not supported)" if len(shape) == 3 and shape[1] == H else ""
+            hint = " (looks transposed, [E, H, 2F]: gpt-oss's layout, for model_type gpt_oss only)" \
+                if len(shape) == 3 and shape[1] == H else ""
             raise _fail(f"{gate_up}: shape {list(shape)}, expected [E={E}, 2F, H={H}]{hint}")
         F = shape[1] // 2
         _expect_shape(source, down, (E, H, F))
         dtype = _check_dtype(source, (gate_up, down), "expert weights")
-        return "fused", E, H, F, dtype, lambda m: (source.get(gate_up)[m], source.get(down)[m])
-
-    for layout, (g, u, d) in PER_EXPERT_NAMES.items():
-        if base + f"experts.0.{g}.weight" in source:
-            break
+        layer = _Layer(E, H, F, "fused", dtype, lambda m: [source.get(gate_up)[m], source.get(down)[m]], {gate_up, down})
     else:
-        raise _fail(f"no experts under {base}experts. (expected experts.M.w1/w3/w2.weight, "
-                    "experts.M.gate_proj/up_proj/down_proj.weight or experts.gate_up_proj)")
-    names = [[base + f"experts.{m}.{part}.weight" for part in (g, u, d)] for m in range(E)]
-    missing = [n for row in names for n in row if n not in source]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise _fail(f"missing expert tensors: {', '.join(missing[:3])}{more} (router {router} has E={E})")
-    extra = base + f"experts.{E}.{g}.weight"
-    if extra in source:
-        raise _fail(f"{extra} exists but the router {router} has only E={E} experts")
-    F = source.info(names[0][0]).shape[0]
-    for gate_name, up_name, down_name in names:
-        _expect_shape(source, gate_name, (F, H))
-        _expect_shape(source, up_name, (F, H))
-        _expect_shape(source, down_name, (H, F))
-    dtype = _check_dtype(source, [n for row in names for n in row], "expert weights")
-    return layout, E, H, F, dtype, lambda m: tuple(source.get(n) for n in names[m])
+        for layout, (g, u, d) in PER_EXPERT_NAMES.items():
+            if base + f"experts.0.{g}.weight" in source:
+                break
+        else:
+            raise _fail(f"no experts under {base}experts. (expected experts.M.w1/w3/w2.weight, "
+                        "experts.M.gate_proj/up_proj/down_proj.weight or experts.gate_up_proj)")
+        names = [[base + f"experts.{m}.{part}.weight" for part in (g, u, d)] for m in range(E)]
+        missing = [n for row in names for n in row if n not in source]
+        if missing:
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise _fail(f"missing expert tensors: {', '.join(missing[:3])}{more} (router {router} has E={E})")
+        extra = base + f"experts.{E}.{g}.weight"
+        if extra in source:
+            raise _fail(f"{extra} exists but the router {router} has only E={E} experts")
+        F = source.info(names[0][0]).shape[0]
+        for gate_name, up_name, down_name in names:
+            _expect_shape(source, gate_name, (F, H))
+            _expect_shape(source, up_name, (F, H))
+            _expect_shape(source, down_name, (H, F))
+        dtype = _check_dtype(source, [n for row in names for n in row], "expert weights")
+        layer = _Layer(E, H, F, layout, dtype, lambda m: [source.get(n) for n in names[m]],
+                       {n for row in names for n in row})
+    if F_config is not None and F_config != layer.F:
+        raise _fail(f"config.json gives the expert intermediate size {F_config} but the tensors give {layer.F}")
+    return layer
 
 
-def _read_config(folder: pathlib.Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as exc:
-        raise _fail(f"{path}: not valid JSON ({exc})") from None
-    # Multimodal models keep the language model's settings under text_config.
-    return {**config, **config.get("text_config", {})}
+def _locate_gpt_oss(source, base, E, H, F) -> _Layer:
+    experts = base + "experts."
+    if experts + "gate_up_proj_blocks" in source:
+        raise _fail(f"{experts}gate_up_proj_blocks: MXFP4-quantised experts are not dequantised by pack; "
+                    "dequantise the checkpoint to bf16 first (transformers: Mxfp4Config(dequantize=True), then "
+                    "save_pretrained)")
+    gate_up, down = experts + "gate_up_proj", experts + "down_proj"
+    gate_up_bias, down_bias, logit_bias = experts + "gate_up_proj_bias", experts + "down_proj_bias", base + "router.bias"
+    _expect_shape(source, gate_up, (E, H, 2 * F))
+    _expect_shape(source, down, (E, F, H))
+    _expect_shape(source, gate_up_bias, (E, 2 * F))
+    _expect_shape(source, down_bias, (E, H))
+    _expect_shape(source, logit_bias, (E,))
+    dtype = _check_dtype(source, (gate_up, down), "expert weights")
 
+    def row(m):
+        # x @ gate_up[m] with columns interleaved: gate = [:, ::2], up = [:, 1::2]; as [F, H] rows.
+        gu = source.get(gate_up)[m]
+        return [np.ascontiguousarray(gu[:, 0::2].T), np.ascontiguousarray(gu[:, 1::2].T),
+                np.ascontiguousarray(source.get(down)[m].T)]
 
-def _routing_settings(hf, layout, has_bias, E, H, F, overrides):
-    for keys, value, what in ((("n_routed_experts", "num_local_experts", "num_experts"), E, "experts"),
-                              (("moe_intermediate_size", "intermediate_size"), F, "expert intermediate size"),
-                              (("hidden_size",), H, "hidden size")):
-        key = next((k for k in keys if k in hf), None)
-        if key is not None and hf[key] != value:
-            raise _fail(f"config.json {key}={hf[key]} but the tensors give {what} {value}")
-    n_group, topk_group = hf.get("n_group") or 1, hf.get("topk_group") or hf.get("n_group") or 1
-    if n_group > 1 and topk_group < n_group and overrides["routing"] is None:
-        raise _fail(f"config.json asks for group-limited routing (n_group={n_group}, topk_group={topk_group}), "
-                    "which Colibri does not implement; pass --routing to accept plain top-k routing")
-    scoring = hf.get("scoring_func", "softmax")
-    if scoring not in ("softmax", "sigmoid"):
-        raise _fail(f"config.json scoring_func={scoring!r} is not supported (softmax, sigmoid)")
-    routing = overrides["routing"] or ("sigmoid_bias" if scoring == "sigmoid" else "softmax_topk")
-    top_k = overrides["top_k"] or hf.get("num_experts_per_tok")
-    if top_k is None:
-        raise _fail("top_k unknown: no num_experts_per_tok in a config.json beside the weights; pass --top-k")
-    renormalize = overrides["renormalize"]
-    if renormalize is None:
-        # Mixtral always renormalises and its config has no norm_topk_prob.
-        renormalize = bool(hf.get("norm_topk_prob", layout == "mixtral" or hf.get("model_type") == "mixtral"))
-    scaling = overrides["routed_scaling_factor"] or float(hf.get("routed_scaling_factor") or 1.0)
-    if routing == "sigmoid_bias" and not has_bias:
-        routing_note = "sigmoid_bias routing without e_score_correction_bias: router_bias written as zeros"
-    else:
-        routing_note = None
-    return routing, int(top_k), renormalize, scaling, routing_note
-
-
-def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormalize=None,
-         routed_scaling_factor=None, progress=True) -> LayerConfig:
-    """Packs one MoE layer of `src` into `out`; returns its LayerConfig. Raises ColibriError naming
-    what is missing or inconsistent."""
-    if dtype not in ("keep", "fp32", "fp16", "bf16"):
-        raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16, got {dtype!r}")
-    if routing is not None and routing not in ROUTINGS:
-        raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
-    if not pathlib.Path(out).parent.is_dir():  # before reading the model, not after
-        raise _fail(f"{out}: folder {pathlib.Path(out).parent} does not exist")
-    source = _Source(src)
-    layer, base = _find_layer(source, layer)
-    moe_block = base[:-1]
-    decoder_layer = moe_block.rsplit(".", 1)[0] + "."
-    shared = sorted(n for n in source.where if n.startswith(decoder_layer) and
-                    any(part in n[len(decoder_layer):] for part in SHARED_EXPERT_PARTS))
-    if shared:
-        raise _fail(f"layer {layer} has shared experts ({shared[0]}, ...): shared experts are not supported yet "
-                    "(packing only the routed experts would change the layer's output)")
-    if base + "gate.bias" in source:
-        raise _fail(f"{base}gate.bias: routers with a bias term are not supported")
-    layout, E, H, F, src_dtype, expert_parts = _layout(source, base)
-    bias_name = base + "gate.e_score_correction_bias"
-    has_bias = bias_name in source
-    if has_bias:
-        _expect_shape(source, bias_name, (E,))
-    hf = _read_config(source.folder)
-    routing, top_k, renormalize, scaling, note = _routing_settings(
-        hf, layout, has_bias, E, H, F, dict(top_k=top_k, routing=routing, renormalize=renormalize,
-                                            routed_scaling_factor=routed_scaling_factor))
-    src_name = st.SAFETENSORS_TO_COLIBRI[src_dtype]
-    weight_dtype = src_name if dtype == "keep" else dtype
-    config = LayerConfig(expert_kind="swiglu", num_experts=E, top_k=top_k, hidden_size=H, intermediate_size=F,
-                         weight_dtype=weight_dtype, routing=routing, renormalize=renormalize,
-                         routed_scaling_factor=scaling, has_router=True)
-    try:
-        config.validate()
-    except ColibriError as exc:
-        raise _fail(f"the packed layer would be invalid: {exc.args[0]}") from None
-
-    bar = _Progress(E, f"packing layer {layer} experts", progress)
-
-    def expert_rows():
-        for m in range(E):
-            row = np.concatenate([np.asarray(part).reshape(-1) for part in expert_parts(m)])
-            if weight_dtype != src_name:
-                row = from_float(to_float32(row, src_name), weight_dtype)
-            yield row
-            bar.update(m + 1, row.nbytes)
-
-    experts = st.LazyTensor(st.COLIBRI_TO_SAFETENSORS[weight_dtype], (E, config.expert_numel), expert_rows)
-    router = _as_float32(source, base + "gate.weight")
-    bias = _as_float32(source, bias_name) if has_bias else (
-        np.zeros(E, np.float32) if routing == "sigmoid_bias" else None)
-    extra = {"source": str(src), "source_layer": moe_block, "source_layout": layout, "source_dtype": src_name}
-    if note:
-        extra["note"] = note
-    checkpoint.save(out, config, experts, router, bias, extra)
-    return config
+    def bias_row(m):
+        gu = _as_float32(source, gate_up_bias)[m]
+        return np.concatenate([gu[0::2], gu[1::2], _as_float32(source, down_bias)[m]])
+    layer = _Layer(E, H, F, "gpt_oss", dtype, row, {gate_up, down, gate_up_bias, down_bias, logit_bias},
+                   bias_row=bias_row, logit_bias=logit_bias)
+    return layer
 
 
 def _as_float32(source, name) -> np.ndarray:
@@ -313,3 +644,204 @@ def _as_float32(source, name) -> np.ndarray:
     if info.dtype not in st.SAFETENSORS_TO_COLIBRI:
         raise _fail(f"{name}: dtype {info.dtype} is not supported")
     return to_float32(source.get(name), st.SAFETENSORS_TO_COLIBRI[info.dtype])
+
+
+# ---------------------------------------------------------------------------------------------------
+# pack
+
+
+def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormalize=None,
+         routed_scaling_factor=None, progress=True, unverified_routing=False, verify=False):
+    """Packs MoE layers of `src` into `out`; returns the LayerConfig (a list of them for layer='all').
+    layer: a decoder layer index, None (the first MoE layer) or 'all' (every MoE layer, one file
+    layer{N}.colibri.safetensors per layer in the folder `out`). Raises ColibriError naming what is
+    refused, missing or inconsistent."""
+    if dtype not in ("keep", "fp32", "fp16", "bf16"):
+        raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16, got {dtype!r}")
+    if routing is not None and routing not in ROUTINGS:
+        raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
+    if not (layer is None or layer == "all" or (isinstance(layer, int) and layer >= 0)):
+        raise _fail(f"layer: expected a layer index >= 0 or 'all', got {layer!r}")
+    out = pathlib.Path(out)
+    if layer == "all":
+        if out.exists() and not out.is_dir():
+            raise _fail(f"{out}: with layer 'all', out is the folder to write layer files into")
+        if not out.parent.is_dir():
+            raise _fail(f"{out}: folder {out.parent} does not exist")
+    elif not out.parent.is_dir():  # before reading the model, not after
+        raise _fail(f"{out}: folder {out.parent} does not exist")
+    if verify:
+        _verify_imports()
+    source = _Source(src)
+    overrides = dict(top_k=top_k, routing=routing, renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
+    hf = _read_config(source.folder)
+    plan = _plan(hf, overrides, unverified_routing)
+    chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer)
+    if layer == "all":
+        out.mkdir(exist_ok=True)
+    configs = []
+    for index, base in chosen:
+        path = out / f"layer{index}.colibri.safetensors" if layer == "all" else out
+        config = _pack_layer(source, plan, index, base, path, dtype, progress, src)
+        if verify:
+            try:
+                _verify(source, hf, plan, base, path)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+        configs.append(config)
+    return configs if layer == "all" else configs[0]
+
+
+def _pack_layer(source, plan, index, base, out, dtype, progress, src) -> LayerConfig:
+    where = _locate(source, base, plan)
+    src_name = st.SAFETENSORS_TO_COLIBRI[where.dtype]
+    weight_dtype = src_name if dtype == "keep" else dtype
+    config = LayerConfig(
+        expert_kind="swiglu", num_experts=where.E, top_k=plan.top_k, hidden_size=where.H,
+        intermediate_size=where.F, weight_dtype=weight_dtype, routing=plan.routing, renormalize=plan.renormalize,
+        routed_scaling_factor=plan.routed_scaling_factor, has_router=True, n_group=plan.n_group,
+        topk_group=plan.topk_group, group_score=plan.group_score, activation=plan.activation,
+        activation_alpha=plan.activation_alpha, activation_limit=plan.activation_limit,
+        expert_bias=where.bias_row is not None, shared_intermediate_size=plan.shared_intermediate_size,
+        shared_gate=plan.shared_gate, has_router_logit_bias=where.logit_bias is not None)
+    try:
+        config.validate()
+    except ColibriError as exc:
+        raise _fail(f"layer {index}: the packed layer would be invalid: {exc.args[0]}") from None
+    E = where.E
+    bar = _Progress(E, f"packing layer {index} experts", progress)
+
+    def convert(array):
+        array = np.asarray(array).reshape(-1)
+        return array if weight_dtype == src_name else from_float(to_float32(array, src_name), weight_dtype)
+
+    def expert_rows():
+        for m in range(E):
+            row = convert(np.concatenate([np.asarray(p).reshape(-1) for p in where.expert_row(m)]))
+            yield row
+            bar.update(m + 1, row.nbytes)
+
+    experts = st.LazyTensor(st.COLIBRI_TO_SAFETENSORS[weight_dtype], (E, config.expert_numel), expert_rows)
+    shared = None
+    if where.shared:
+        shared = np.concatenate([convert(source.get(n)) for n in where.shared])
+    if plan.routing == "sigmoid_bias" and where.correction_bias is None:
+        bias, note = np.zeros(E, np.float32), "sigmoid_bias routing without e_score_correction_bias: router_bias zeros"
+    else:
+        bias, note = (None if where.correction_bias is None else _as_float32(source, where.correction_bias)), None
+    extra = {"source": str(src), "source_layer": base[:-1], "source_layout": where.layout, "source_dtype": src_name,
+             "source_family": plan.family}
+    if note:
+        extra["note"] = note
+    checkpoint.save(
+        out, config, experts, _as_float32(source, base + plan.router + ".weight"), bias, extra,
+        router_logit_bias=None if where.logit_bias is None else _as_float32(source, where.logit_bias),
+        expert_bias=None if where.bias_row is None else np.stack([where.bias_row(m) for m in range(E)]),
+        shared_expert=shared,
+        shared_expert_gate=None if where.shared_gate is None else _as_float32(source, where.shared_gate).reshape(-1))
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------
+# --verify: the packed layer against transformers' own MoE block of the family
+
+
+def _verify_imports():
+    try:
+        import torch  # noqa: F401 (only whether they import)
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise _fail(f"--verify needs torch and transformers ({exc})") from None
+
+
+def transformers_block(family: str, hf: dict, tensors: dict):
+    """transformers' MoE block of `family`, in fp32, built from config.json `hf` and loaded with the
+    source tensors of the block (`tensors`: name relative to the block -> float32 array)."""
+    import importlib
+
+    import torch
+    from transformers import AutoConfig
+    module, name = BLOCK_CLASSES[family]
+    config_dict = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    config = AutoConfig.for_model(family, **config_dict)
+    block_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+    block = block_class(config).to(torch.float32).eval()
+    state = {}
+    for key in block.state_dict():
+        if key in tensors:
+            state[key] = torch.from_numpy(np.ascontiguousarray(tensors[key]))
+        elif key in ("experts.gate_up_proj", "experts.down_proj"):
+            # transformers' own conversion of per-expert checkpoints: gate and up concatenated per expert.
+            names = next(n for n in PER_EXPERT_NAMES.values() if f"experts.0.{n[0]}.weight" in tensors)
+            E = block.experts.num_experts
+            parts = [np.concatenate([tensors[f"experts.{m}.{names[0]}.weight"], tensors[f"experts.{m}.{names[1]}.weight"]])
+                     if key == "experts.gate_up_proj" else tensors[f"experts.{m}.{names[2]}.weight"] for m in range(E)]
+            state[key] = torch.from_numpy(np.stack(parts))
+        else:
+            raise _fail(f"--verify: the source has no tensor for transformers' {name}.{key}")
+    block.load_state_dict(state, strict=True)
+    return block
+
+
+def block_forward(block, x: np.ndarray) -> np.ndarray:
+    """transformers' block on tokens x [T, H] (float32), as [T, H] float64."""
+    import torch
+    with torch.no_grad():
+        y = block(torch.from_numpy(np.asarray(x, np.float32))[None])
+    y = y[0] if isinstance(y, tuple) else y  # gpt-oss's block also returns its router scores
+    return y[0].double().numpy()
+
+
+def colibri_forward(path, x: np.ndarray) -> np.ndarray:
+    """The packed layer on x [T, H]: colibri's CPU layer in fp32 where the library can hold it, else
+    colibri.reference (float64)."""
+    from colibri import reference
+    from colibri._native import HAS_CONTEXT_CREATE
+    ckpt = checkpoint.load(path)
+    if HAS_CONTEXT_CREATE or not ckpt.config.uses_v2_features:
+        from colibri.layer import MoELayer
+        return np.asarray(MoELayer.from_file(path).forward(np.asarray(x, np.float32)), np.float64)
+    return reference.checkpoint_forward(ckpt, np.asarray(x, np.float64))
+
+
+def routing_ties(path, x: np.ndarray, tolerance=1e-5) -> np.ndarray:
+    """[T] bool: tokens whose choice of experts (or groups) is within `tolerance` of a tie, where fp32
+    rounding may legitimately choose differently."""
+    from colibri import reference
+    ckpt = checkpoint.load(path)
+    config = ckpt.config
+    logits = reference.router_logits(np.asarray(x, np.float64), ckpt.router, ckpt.router_logit_bias)
+    scores = reference.selection_scores(config, logits, ckpt.router_bias)
+    scale = np.maximum(1.0, np.abs(np.where(np.isfinite(scores), scores, 0)).max(axis=1))
+    return ((reference.topk_margin(scores, config.top_k) <= tolerance * scale)
+            | (reference.group_margin(config, logits, ckpt.router_bias) <= tolerance * scale))
+
+
+def _verify(source, hf, plan, base, path, tokens=64, seed=0):
+    family = plan.family
+    if family not in BLOCK_CLASSES:
+        raise _fail(f"--verify: {family} has no transformers block to check against")
+    ckpt = checkpoint.load(path)
+    packed = ckpt.config.weight_dtype
+    tensors = {}
+    for name in source.where:
+        if name.startswith(base):
+            value = _as_float32(source, name)
+            relative = name[len(base):]
+            is_weight = (relative.startswith("experts.") and not relative.endswith("_bias")) \
+                or relative.startswith(("shared_expert.", "shared_experts."))
+            if is_weight and packed != st.SAFETENSORS_TO_COLIBRI.get(source.info(name).dtype):
+                value = to_float32(from_float(value, packed), packed)  # the block sees the packed dtype's values
+            tensors[name[len(base):]] = value
+    block = transformers_block(family, hf, tensors)
+    x = np.random.default_rng(seed).standard_normal((tokens, ckpt.config.hidden_size)).astype(np.float32)
+    keep = ~routing_ties(path, x)
+    if keep.sum() < tokens // 2:
+        raise _fail(f"--verify: {tokens - int(keep.sum())} of {tokens} random tokens sit at a routing tie")
+    expected, got = block_forward(block, x)[keep], colibri_forward(path, x)[keep]
+    error = float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
+    if not error <= VERIFY_TOLERANCE:
+        raise _fail(f"--verify: {path} differs from transformers' {BLOCK_CLASSES[family][1]} by relative error "
+                    f"{error:.3g} > {VERIFY_TOLERANCE:g}; the file was not kept")
+    return error
