@@ -1,6 +1,7 @@
 """Packed checkpoints and the safetensors reader/writer: round trips (cross-checked with the
 safetensors library when installed), memory-mapped weights used in place, the demo writer, and every
 malformed file refused with a message naming the file and the problem."""
+import dataclasses
 import json
 import struct
 
@@ -193,3 +194,88 @@ def test_pickles_refused(tmp_path, name, content):
 def test_missing_file(tmp_path):
     with pytest.raises(colibri.ColibriError, match="no such file"):
         colibri.MoELayer.from_file(tmp_path / "absent.colibri.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Format versions
+
+
+def test_version_1_file_loads(rng, tmp_path):
+    """A colibri-moe/1 file (its eight keys, no v2 tensors) loads as a layer without the v2 features;
+    its router_bias under softmax routing stays unused, as v1 readers left it."""
+    config, experts, router, _ = random_layer(rng)
+    meta = {k: v for k, v in checkpoint.config_metadata(config).items()
+            if k in checkpoint.REQUIRED_METADATA + ("routed_scaling_factor",)}
+    path = tmp_path / "v1.colibri.safetensors"
+    st.write(path, {"experts": experts, "router": router, "router_bias": np.ones(8, np.float32)},
+             {**meta, "format": "colibri-moe/1"})
+    ckpt = checkpoint.load(path)
+    assert ckpt.version == 1 and ckpt.config == config and ckpt.router_bias is None
+    assert not ckpt.config.uses_v2_features and ckpt.shared_expert is None and ckpt.expert_bias is None
+    layer = colibri.MoELayer.from_file(path)
+    stored, x64 = random_hidden(rng, 8, config.hidden_size, "fp32")
+    ref, *_ = routed_reference(config, experts, x64, router, None, layer.route(stored)[0])
+    assert_close(layer.forward(stored), ref, error_limit("fp32"))
+
+
+def test_unknown_version_refused(rng, tmp_path):
+    path, *_ = saved_layer(rng, tmp_path)
+    assert checkpoint.load(path).metadata["format"] == "colibri-moe/2"
+    bad = rewrite_metadata(path, lambda m: m.update(format="colibri-moe/3"))
+    with pytest.raises(colibri.ColibriError, match=r"format version 3 \('colibri-moe/3'\) is not known to this reader, "
+                                                   r"which reads colibri-moe/1, colibri-moe/2"):
+        checkpoint.load(bad)
+
+
+def v2_layer(rng):
+    """A layer with every v2 feature: groups, clamped activation, expert biases, a gated shared expert
+    and a router logit bias, as keyword arguments of checkpoint.save."""
+    config, experts, router, bias = random_layer(rng, num_experts=8, top_k=3, routing="sigmoid_bias")
+    config = dataclasses.replace(config, n_group=4, topk_group=2, group_score="top2_sum", activation="swiglu_oai",
+                                 activation_alpha=1.5, activation_limit=0.8, expert_bias=True,
+                                 shared_intermediate_size=24, shared_gate=True, routed_scaling_factor=2.0)
+    H = config.hidden_size
+    tensors = dict(router_logit_bias=rng.standard_normal(8).astype(np.float32),
+                   expert_bias=rng.standard_normal((8, config.expert_bias_width)).astype(np.float32),
+                   shared_expert=(rng.standard_normal(config.shared_numel) / np.sqrt(H)).astype(np.float32),
+                   shared_expert_gate=rng.standard_normal(H).astype(np.float32))
+    return config, experts, router, bias, tensors
+
+
+def test_version_2_round_trip(rng, tmp_path):
+    config, experts, router, bias, tensors = v2_layer(rng)
+    path = tmp_path / "v2.colibri.safetensors"
+    checkpoint.save(path, config, experts, router, bias, **tensors)
+    ckpt = checkpoint.load(path)
+    assert ckpt.version == 2 and ckpt.config == dataclasses.replace(config, has_router_logit_bias=True)
+    for name, value in tensors.items():
+        assert (np.asarray(getattr(ckpt, name)).reshape(value.shape) == value).all(), name
+    # Nothing given goes unused: a tensor the metadata does not ask for, or an unknown one, is refused.
+    extra = rewrite_metadata(path, lambda m: m.update(shared_gate="false"))
+    with pytest.raises(colibri.ColibriError, match="tensor 'shared_expert_gate' is present but the metadata does not ask"):
+        checkpoint.load(extra)
+    file = st.SafetensorsFile(path)
+    stray = tmp_path / "stray.colibri.safetensors"
+    st.write(stray, {**{n: (i.dtype, file.get(n)) for n, i in file.tensors.items()}, "gate_bias": np.zeros(8, np.float32)},
+             file.metadata)
+    with pytest.raises(colibri.ColibriError, match="unknown tensor 'gate_bias'"):
+        checkpoint.load(stray)
+    with pytest.raises(colibri.ColibriError, match="shared_expert missing but the config asks for it"):
+        checkpoint.save(tmp_path / "x.colibri.safetensors", config, experts, router, bias,
+                        **{k: v for k, v in tensors.items() if k != "shared_expert"})
+
+
+def test_version_2_layer(rng, tmp_path):
+    """The v2 features through MoELayer: the library's layer against colibri.reference, or, with a
+    library that predates colibri_moe_context_create, a clear refusal."""
+    config, experts, router, bias, tensors = v2_layer(rng)
+    path = tmp_path / "v2.colibri.safetensors"
+    checkpoint.save(path, config, experts, router, bias, **tensors)
+    if not colibri._native.HAS_CONTEXT_CREATE:
+        with pytest.raises(colibri.ColibriError, match="has no colibri_moe_context_create"):
+            colibri.MoELayer.from_file(path)
+        return
+    layer = colibri.MoELayer.from_file(path)
+    stored, x64 = random_hidden(rng, 32, config.hidden_size, "fp32")
+    ref, *_ = routed_reference(layer.config, experts, x64, router, bias, layer.route(stored)[0], **tensors)
+    assert_close(layer.forward(stored), ref, error_limit("fp32"))

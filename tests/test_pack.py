@@ -1,8 +1,9 @@
 """The packer on small Hugging Face checkpoints written here in the three layouts (Mixtral naming,
 Qwen/DeepSeek naming, the fused gate_up_proj layout), sharded with an index or as a folder, each
 with its config.json; packed through the CLI and the function, loaded, and checked against a forward
-computed from the original HF tensors. Also the refusals (shared experts, missing tensors, pickles,
-non-MoE layers, group-limited routing, inconsistent dtypes)."""
+computed from the original HF tensors. Also the refusals (unknown or unsupported families, dense
+layers, tensors a family does not use, overrides without --unverified-routing, missing tensors,
+pickles, inconsistent dtypes). tests/test_families.py checks each family against transformers."""
 import json
 import os
 import pathlib
@@ -26,8 +27,9 @@ def hf_weights(rng, E, H, F):
                 bias=0.3 * rng.standard_normal(E))
 
 
-def hf_tensors(w, layout, dtype, layer=1, with_bias=False):
-    """The HF tensor names of a 3-layer model whose layer `layer` is the MoE layer (layer 0 dense)."""
+def hf_tensors(w, layout, dtype, layer=1, with_bias=False, shared=None):
+    """The HF tensor names of a 3-layer model whose layer `layer` is the MoE layer (layer 0 dense);
+    shared: (module name, Fs) of shared experts to add."""
     def stored(a):
         return ST_DTYPE[dtype], from_float(np.asarray(a, np.float32), dtype)
     E, F, H = w["gate"].shape
@@ -47,6 +49,10 @@ def hf_tensors(w, layout, dtype, layer=1, with_bias=False):
         for m in range(E):
             for name, part in zip(names, ("gate", "up", "down")):
                 tensors[base + f"experts.{m}.{name}.weight"] = stored(w[part][m])
+    if shared:
+        name, Fs = shared
+        for part, shape in (("gate", (Fs, H)), ("up", (Fs, H)), ("down", (H, Fs))):
+            tensors[base + f"{name}.{part}_proj.weight"] = stored(w.get(f"shared_{part}", np.ones(shape)))
     tensors[f"model.layers.{layer + 1}.self_attn.q_proj.weight"] = stored(np.zeros((H, H)))
     return tensors
 
@@ -113,7 +119,7 @@ def test_mixtral_index_via_cli(rng, tmp_path, colibri_cli):
 def test_qwen_folder_via_function(rng, tmp_path, dtype):
     w = hf_weights(rng, 6, 32, 24)
     src = write_hf(tmp_path / "qwen", hf_tensors(w, "qwen", "fp16"),
-                   {"model_type": "qwen2_moe", "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                   {"model_type": "qwen3_moe", "num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False,
                     "hidden_size": 32, "intermediate_size": 5632, "moe_intermediate_size": 24}, index=False)
     out = tmp_path / "qwen.colibri.safetensors"
     config = pack(src, out, dtype=dtype, progress=False)
@@ -122,17 +128,24 @@ def test_qwen_folder_via_function(rng, tmp_path, dtype):
     check_packed(out, w, "fp16", packed, dict(num_experts=6, top_k=3, routing="softmax_topk", renormalize=False), rng)
 
 
-def test_deepseek_sigmoid_bias(rng, tmp_path):
+def test_deepseek_v3_without_scoring_func_packs_sigmoid(rng, tmp_path):
+    """transformers writes DeepSeek-V3's config.json without scoring_func or topk_method: still sigmoid
+    scores with the correction bias, group top-2 sums and the shared experts."""
     w = hf_weights(rng, 8, 32, 16)
-    src = write_hf(tmp_path / "ds", hf_tensors(w, "qwen", "bf16", layer=1, with_bias=True),
-                   {"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 4, "norm_topk_prob": True,
-                    "scoring_func": "sigmoid", "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1,
-                    "hidden_size": 32, "moe_intermediate_size": 16})
+    w.update(shared_gate=rng.standard_normal((32, 32)), shared_up=rng.standard_normal((32, 32)),
+             shared_down=rng.standard_normal((32, 32)))
+    src = write_hf(tmp_path / "ds", hf_tensors(w, "qwen", "bf16", layer=1, with_bias=True, shared=("shared_experts", 32)),
+                   {"model_type": "deepseek_v3", "n_routed_experts": 8, "num_experts_per_tok": 4,
+                    "routed_scaling_factor": 2.5, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
+                    "first_k_dense_replace": 1, "num_hidden_layers": 3, "hidden_size": 32, "moe_intermediate_size": 16})
     out = tmp_path / "ds.colibri.safetensors"
-    pack(src, out, progress=False)
-    check_packed(out, w, "bf16", "bf16", dict(routing="sigmoid_bias", renormalize=True, routed_scaling_factor=2.5,
-                                              top_k=4), rng)
-    assert (colibri.checkpoint.load(out).router_bias == w["bias"].astype(np.float32)).all()
+    config = pack(src, out, progress=False)
+    assert (config.routing, config.renormalize, config.routed_scaling_factor, config.top_k) == ("sigmoid_bias", True, 2.5, 4)
+    assert (config.n_group, config.topk_group, config.group_score, config.shared_intermediate_size) == (4, 2, "top2_sum", 32)
+    ckpt = colibri.checkpoint.load(out)
+    assert (ckpt.router_bias == w["bias"].astype(np.float32)).all()
+    shared = np.concatenate([from_float(w[f"shared_{p}"].astype(np.float32), "bf16").reshape(-1) for p in ("gate", "up", "down")])
+    assert (np.asarray(ckpt.shared_expert) == shared).all()
 
 
 @pytest.mark.parametrize("dtype", ["keep", "bf16"])
@@ -157,12 +170,17 @@ def test_overrides_and_layer_choice(rng, tmp_path):
     w = hf_weights(rng, 4, 16, 8)
     tensors = {**hf_tensors(w, "qwen", "fp32", layer=1), **hf_tensors(w, "qwen", "fp32", layer=3)}
     src = write_hf(tmp_path / "m", tensors, {"num_experts": 4, "num_experts_per_tok": 2})
+    with pytest.raises(colibri.ColibriError, match="--top-k, --routing, --renormalize, --routed-scaling-factor may "
+                                                   "make the layer compute something other than the model"):
+        pack(src, tmp_path / "a.colibri.safetensors", layer=3, top_k=3, routing="topk_softmax", renormalize=True,
+             routed_scaling_factor=0.5, progress=False)
     config = pack(src, tmp_path / "a.colibri.safetensors", layer=3, top_k=3, routing="topk_softmax",
-                  renormalize=True, routed_scaling_factor=0.5, progress=False)
+                  renormalize=True, routed_scaling_factor=0.5, progress=False, unverified_routing=True)
     assert (config.top_k, config.routing, config.renormalize, config.routed_scaling_factor) == (3, "topk_softmax", True, 0.5)
     assert colibri.checkpoint.load(tmp_path / "a.colibri.safetensors").metadata["source_layer"] == "model.layers.3.mlp"
     with pytest.raises(colibri.ColibriError, match="layer 0 is not an MoE layer; MoE layers: 1, 3"):
-        pack(src, tmp_path / "b.colibri.safetensors", layer=0, progress=False)
+        pack(src, tmp_path / "b.colibri.safetensors", layer=0, progress=False, unverified_routing=True)
+    assert "unverified" in colibri.checkpoint.load(tmp_path / "a.colibri.safetensors").metadata["source_family"]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -174,17 +192,108 @@ def small_qwen(rng, tmp_path, mutate=None, config=None, dtype="fp32"):
     tensors = hf_tensors(w, "qwen", dtype)
     if mutate:
         mutate(tensors)
-    return write_hf(tmp_path / "src", tensors, config or {"num_experts": 4, "num_experts_per_tok": 2})
+    return write_hf(tmp_path / "src", tensors,
+                    config or {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                               "moe_intermediate_size": 8})
 
 
-@pytest.mark.parametrize("shared", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
-                                    "mlp.shared_expert_gate.weight"])
-def test_shared_experts_refused(rng, tmp_path, shared, colibri_cli):
-    src = small_qwen(rng, tmp_path, lambda t: t.update({f"model.layers.1.{shared}": ("F32", np.zeros((8, 16), np.float32))}))
+@pytest.mark.parametrize("extra", ["mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
+                                   "mlp.shared_expert_gate.weight", "mlp.gate.bias", "mlp.gate.e_score_correction_bias",
+                                   "mlp.experts.0.gate_proj.bias"])
+def test_tensors_the_family_does_not_use_refused(rng, tmp_path, extra, colibri_cli):
+    """A qwen3_moe block has no shared expert, router bias or expert biases: one in the file is refused,
+    never silently dropped (the v1 packer ignored some of these)."""
+    src = small_qwen(rng, tmp_path, lambda t: t.update({f"model.layers.1.{extra}": ("F32", np.zeros((8, 16), np.float32))}))
     result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
     assert result.returncode == 1
-    assert "shared experts are not supported yet" in result.stderr and shared in result.stderr
+    assert "a tensor of the MoE block that qwen3_moe's layer does not use" in result.stderr and extra in result.stderr
     assert not (tmp_path / "x.colibri.safetensors").exists()
+
+
+@pytest.mark.parametrize("model_type, message", [
+    ("phimoe", "PhiMoE's sparsemixer routing is not implemented"),
+    ("kimi_k2", "transformers has no kimi_k2 model"),
+    ("jetmoe", "model_type 'jetmoe' is not a family pack knows (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
+               "deepseek_v2, deepseek_v3, glm4_moe, gpt_oss); pass --unverified-routing"),
+    (None, "model_type None is not a family pack knows")])
+def test_unsupported_families_refused(rng, tmp_path, colibri_cli, model_type, message):
+    config = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2}
+    if model_type:
+        config["model_type"] = model_type
+    src = small_qwen(rng, tmp_path, config=config)
+    result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors")
+    assert result.returncode == 1 and message in result.stderr, result.stderr
+    assert not (tmp_path / "x.colibri.safetensors").exists()
+    if model_type == "phimoe":  # no override packs PhiMoE
+        with pytest.raises(colibri.ColibriError, match="sparsemixer"):
+            pack(src, tmp_path / "x.colibri.safetensors", progress=False, unverified_routing=True)
+    elif model_type == "jetmoe":
+        assert pack(src, tmp_path / "x.colibri.safetensors", progress=False, unverified_routing=True).top_k == 2
+
+
+def test_dense_layers_refused(rng, tmp_path):
+    w = hf_weights(rng, 4, 16, 8)
+    base = {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+            "topk_group": 1, "n_shared_experts": 1, "num_hidden_layers": 3, "moe_intermediate_size": 8}
+    tensors = hf_tensors(w, "qwen", "fp32", layer=1, with_bias=True, shared=("shared_experts", 8))
+    src = write_hf(tmp_path / "a", tensors, {**base, "first_k_dense_replace": 1})
+    with pytest.raises(colibri.ColibriError, match=r"layer 0 is a dense layer \(first_k_dense_replace=1\): it has no "
+                                                   "experts to pack; MoE layers here: 1"):
+        pack(src, tmp_path / "x.colibri.safetensors", layer=0, progress=False)
+    src = write_hf(tmp_path / "b", tensors, {**base, "first_k_dense_replace": 2})
+    with pytest.raises(colibri.ColibriError, match="layer 1 has MoE tensors but config.json makes it dense"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+    src = write_hf(tmp_path / "c", tensors, {**base, "first_k_dense_replace": 1, "num_hidden_layers": 1})
+    with pytest.raises(colibri.ColibriError, match="layer 1 is beyond config.json num_hidden_layers=1"):
+        pack(src, tmp_path / "x.colibri.safetensors", layer=1, progress=False)
+
+
+def test_config_semantics_refused(rng, tmp_path):
+    """Settings whose meaning transformers and the model's own code disagree on, or that Colibri lacks."""
+    w = hf_weights(rng, 4, 16, 8)
+    tensors = hf_tensors(w, "qwen", "fp32", layer=1, shared=("shared_experts", 16))
+    v2 = {"model_type": "deepseek_v2", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2,
+          "moe_intermediate_size": 8, "num_hidden_layers": 3}
+    for change, message in (({"norm_topk_prob": True}, "never does"), ({"mlp_bias": True}, "mlp_bias=true"),
+                            ({"moe_layer_freq": 2}, "moe_layer_freq=2"), ({"hidden_act": "gelu"}, "SiLU only"),
+                            ({"topk_method": "noaux_tc"}, "greedy and group_limited_greedy only")):
+        src = write_hf(tmp_path / str(len(message)), tensors, {**v2, **change})
+        with pytest.raises(colibri.ColibriError, match=message):
+            pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+    assert pack(write_hf(tmp_path / "ok", tensors, v2), tmp_path / "x.colibri.safetensors",
+                progress=False).shared_intermediate_size == 16
+    src = write_hf(tmp_path / "v3", hf_tensors(w, "qwen", "fp32", with_bias=True, shared=("shared_experts", 8)),
+                   {"model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                    "scoring_func": "softmax", "moe_intermediate_size": 8, "first_k_dense_replace": 1})
+    with pytest.raises(colibri.ColibriError, match="scoring_func='softmax': transformers' deepseek_v3 router is sigmoid"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_gpt_oss_mxfp4_refused(tmp_path):
+    E, H, F = 4, 64, 32
+    base = "model.layers.0.mlp."
+    tensors = {base + "router.weight": np.zeros((E, H), np.float32), base + "router.bias": np.zeros(E, np.float32),
+               base + "experts.gate_up_proj_blocks": np.zeros((E, 2 * F, H // 32, 16), np.uint8),
+               base + "experts.gate_up_proj_scales": np.zeros((E, 2 * F, H // 32), np.uint8)}
+    src = write_hf(tmp_path / "oss", tensors, {"model_type": "gpt_oss", "num_local_experts": E, "intermediate_size": F,
+                                               "hidden_size": H, "num_experts_per_tok": 2}, shards=1)
+    with pytest.raises(colibri.ColibriError, match="MXFP4-quantised experts are not dequantised by pack"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
+
+
+def test_all_layers_via_cli(rng, tmp_path, colibri_cli):
+    w = hf_weights(rng, 4, 16, 8)
+    tensors = {**hf_tensors(w, "qwen", "fp32", layer=1), **hf_tensors(w, "qwen", "fp32", layer=3)}
+    src = write_hf(tmp_path / "m", tensors, {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                                             "num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                             "moe_intermediate_size": 8})
+    result = colibri_cli("pack", src, "--out", tmp_path / "layers", "--layer", "all")
+    assert result.returncode == 0, result.stderr
+    assert "wrote 2 layers" in result.stdout and "packing layer 3 experts" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "layers").iterdir()) == ["layer1.colibri.safetensors",
+                                                                       "layer3.colibri.safetensors"]
+    with pytest.raises(colibri.ColibriError, match=r"layer 2 is a dense layer \(decoder_sparse_step=2"):
+        pack(src, tmp_path / "x.colibri.safetensors", layer=2, progress=False)
 
 
 def test_missing_expert_tensor_named(rng, tmp_path):
@@ -209,20 +318,18 @@ def test_inconsistent_dtype_refused(rng, tmp_path):
         pack(src, tmp_path / "x.colibri.safetensors", progress=False)
 
 
-def test_group_limited_routing_refused(rng, tmp_path):
-    src = small_qwen(rng, tmp_path, config={"n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1})
-    with pytest.raises(colibri.ColibriError, match="group-limited routing"):
-        pack(src, tmp_path / "x.colibri.safetensors", progress=False)
-
-
 def test_config_mismatch_and_missing_top_k(rng, tmp_path):
-    src = small_qwen(rng, tmp_path, config={"num_experts": 5, "num_experts_per_tok": 2})
-    with pytest.raises(colibri.ColibriError, match="config.json num_experts=5 but the tensors give experts 4"):
+    src = small_qwen(rng, tmp_path, config={"model_type": "qwen3_moe", "num_experts": 5, "num_experts_per_tok": 2,
+                                            "moe_intermediate_size": 8})
+    with pytest.raises(colibri.ColibriError, match=r"config.json gives num_experts=5 but model.layers.1.mlp.gate.weight "
+                                                   r"has shape \[4, 16\]"):
         pack(src, tmp_path / "x.colibri.safetensors", progress=False)
     os.remove(src / "config.json")
-    with pytest.raises(colibri.ColibriError, match="top_k unknown"):
+    with pytest.raises(colibri.ColibriError, match="no config.json beside the weights"):
         pack(src, tmp_path / "x.colibri.safetensors", progress=False)
-    assert pack(src, tmp_path / "x.colibri.safetensors", top_k=2, progress=False).top_k == 2
+    with pytest.raises(colibri.ColibriError, match="top_k unknown"):
+        pack(src, tmp_path / "x.colibri.safetensors", progress=False, unverified_routing=True)
+    assert pack(src, tmp_path / "x.colibri.safetensors", top_k=2, progress=False, unverified_routing=True).top_k == 2
 
 
 def test_pickles_refused(tmp_path, colibri_cli):
@@ -238,7 +345,8 @@ def test_pickles_refused(tmp_path, colibri_cli):
 def test_no_moe_layer(tmp_path):
     st.write(tmp_path / "dense.safetensors", {"model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(colibri.ColibriError, match="no MoE layer found"):
-        pack(tmp_path / "dense.safetensors", tmp_path / "x.colibri.safetensors", progress=False)
+        pack(tmp_path / "dense.safetensors", tmp_path / "x.colibri.safetensors", progress=False, top_k=2,
+             unverified_routing=True)
 
 
 @pytest.mark.parametrize("command", ["pack", "demo"])
