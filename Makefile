@@ -116,7 +116,15 @@ python: $(LIB_SO)
 test-c: ctests
 	@set -e; for t in $(C_TESTS); do echo "== $$t"; $$t; done
 
-test-py: venv lib
+# tests/test_families.py checks `pack` against each family's own transformers MoE block, so the tests
+# need torch (the CPU wheel from TORCH_WHEELS when that folder has one, not PyPI's CUDA build) and
+# transformers, at constraints.txt's pins.
+TORCH_WHEELS ?= $(wildcard /opt/wheels)
+$(VENV)/.test-installed: $(VENV)/.installed constraints.txt
+	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) torch transformers
+	touch $@
+
+test-py: venv lib $(VENV)/.test-installed
 	$(MAKE) --no-print-directory python
 	$(PY) -m pytest -q tests
 
