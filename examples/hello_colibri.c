@@ -221,7 +221,8 @@ typedef struct {
     tensor_t experts, router, router_bias;
     char format[TEXT_CAP], expert_kind[TEXT_CAP], num_experts[TEXT_CAP], top_k[TEXT_CAP];
     char hidden_size[TEXT_CAP], intermediate_size[TEXT_CAP], routing[TEXT_CAP], renormalize[TEXT_CAP];
-    char routed_scaling_factor[TEXT_CAP];
+    char routed_scaling_factor[TEXT_CAP], n_group[TEXT_CAP], activation[TEXT_CAP];
+    char other_tensor[TEXT_CAP]; /* the first tensor this example cannot compute, if any */
 } header_t;
 
 static int parse_tensor(json_t *j, const char *name, tensor_t *t)
@@ -273,7 +274,7 @@ static int parse_metadata(json_t *j, header_t *h)
         {"format", h->format}, {"expert_kind", h->expert_kind}, {"num_experts", h->num_experts},
         {"top_k", h->top_k}, {"hidden_size", h->hidden_size}, {"intermediate_size", h->intermediate_size},
         {"routing", h->routing}, {"renormalize", h->renormalize},
-        {"routed_scaling_factor", h->routed_scaling_factor},
+        {"routed_scaling_factor", h->routed_scaling_factor}, {"n_group", h->n_group}, {"activation", h->activation},
     };
     char key[TEXT_CAP];
     size_t i;
@@ -314,8 +315,12 @@ static int parse_header(const char *text, size_t size, header_t *h)
                 ok = parse_tensor(&j, name, &h->router);
             else if (strcmp(name, "router_bias") == 0)
                 ok = parse_tensor(&j, name, &h->router_bias);
-            else
-                ok = json_skip(&j, 0); /* a tensor this example does not use */
+            else {
+                /* expert biases, a shared expert, a router logit bias: noted, and refused below */
+                if (!h->other_tensor[0])
+                    snprintf(h->other_tensor, sizeof h->other_tensor, "%s", name);
+                ok = json_skip(&j, 0);
+            }
             if (!ok)
                 return 0;
         } while (json_peek(&j, ','));
@@ -446,9 +451,13 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
         return 0;
 
     /* The layer's settings, as the Python reader (backend_src/colibri/checkpoint.py) takes them. */
-    if (strcmp(h.format, "colibri-moe/1") != 0)
-        return fail("metadata format is '%s', expected 'colibri-moe/1' (pack a Hugging Face checkpoint "
-                    "with `python -m colibri pack`)", h.format);
+    if (strcmp(h.format, "colibri-moe/1") != 0 && strcmp(h.format, "colibri-moe/2") != 0)
+        return fail("metadata format is '%s', expected 'colibri-moe/1' or 'colibri-moe/2' (pack a Hugging Face "
+                    "checkpoint with `python -m colibri pack`)", h.format);
+    /* This example has no group-limited routing or other activations (colibri_moe_context_create has). */
+    if ((h.n_group[0] && strcmp(h.n_group, "1") != 0) || (h.activation[0] && strcmp(h.activation, "silu") != 0))
+        return fail("metadata n_group='%s' activation='%s': this example has no group-limited routing and "
+                    "SiLU experts only", h.n_group, h.activation);
     memset(cfg, 0, sizeof *cfg);
     if (!setting_int("num_experts", h.num_experts, &cfg->num_experts) ||
         !setting_int("top_k", h.top_k, &cfg->top_k) ||
@@ -469,6 +478,10 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
         cfg->routing = COLIBRI_ROUTING_SIGMOID_BIAS;
     else
         return fail("metadata: routing='%s' is not softmax_topk, topk_softmax or sigmoid_bias", h.routing);
+    /* colibri_moe_context_init uses router_bias for sigmoid_bias routing only; in a version-2 file it
+     * corrects the selection under any routing. */
+    if (strcmp(h.format, "colibri-moe/2") == 0 && h.router_bias.present && cfg->routing != COLIBRI_ROUTING_SIGMOID_BIAS)
+        return fail("tensor 'router_bias' with routing '%s': this example uses it with sigmoid_bias only", h.routing);
     if (strcmp(h.renormalize, "true") == 0 || strcmp(h.renormalize, "1") == 0)
         cfg->renormalize = 1;
     else if (strcmp(h.renormalize, "false") != 0 && strcmp(h.renormalize, "0") != 0)
@@ -488,6 +501,10 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
     if (!h.router.present)
         return fail("no 'router' tensor: this example routes with the checkpoint's router (without one, "
                     "pass topk_ids and topk_weights to colibri_moe_forward)");
+    /* This example computes routed experts only; any other tensor more would be silently dropped. */
+    if (h.other_tensor[0])
+        return fail("tensor '%s': this example computes routed experts only (no biases, no shared expert); "
+                    "serve this layer with the Python package", h.other_tensor);
     {
         const uint64_t data_bytes = file_size - 8 - header_len;
         const uint64_t experts_shape[2] = {(uint64_t)cfg->num_experts, expert_numel};

@@ -901,7 +901,7 @@ def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
     first = run_entrypoint(tmp_path, weights, "true", **env)
     assert first.returncode == 0, first.stderr
     header = read_safetensors_header(weights)
-    assert header["__metadata__"]["format"] == "colibri-moe/1" and "experts" in header
+    assert header["__metadata__"]["format"] == "colibri-moe/2" and "experts" in header
     assert [p.name for p in weights.parent.iterdir()] == [weights.name], "partial file left behind"
     before = weights.stat().st_mtime_ns
     second = run_entrypoint(tmp_path, weights, "true", **env)

@@ -105,7 +105,7 @@ def _rewrite_header(path, text):
     ("tiny", "too short for a safetensors file"),
     ("header_length", r"header length \d+ does not fit a file of \d+ bytes"),
     ("not_json", "header: expected '{'"),
-    ("format", "metadata format is 'colibri-moe/9', expected 'colibri-moe/1'"),
+    ("format", "metadata format is 'colibri-moe/9', expected 'colibri-moe/1' or 'colibri-moe/2'"),
     ("no_router", "no 'router' tensor"),
     ("shape", r"tensor 'experts': dimension 1 is \d+, expected \d+"),
     ("unclosed", "header: "),
@@ -126,7 +126,7 @@ def test_hello_refuses_bad_checkpoints(hello, tmp_path, damage, message):
     elif damage == "not_json":
         _rewrite_header(path, "x" + text[1:])
     elif damage == "format":
-        _rewrite_header(path, text.replace("colibri-moe/1", "colibri-moe/9"))
+        _rewrite_header(path, text.replace("colibri-moe/2", "colibri-moe/9"))
     elif damage == "no_router":
         _rewrite_header(path, text.replace('"router"', '"rooter"'))
     elif damage == "shape":
