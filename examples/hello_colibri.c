@@ -501,7 +501,7 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
     if (!h.router.present)
         return fail("no 'router' tensor: this example routes with the checkpoint's router (without one, "
                     "pass topk_ids and topk_weights to colibri_moe_forward)");
-    /* This example computes routed experts only; any other tensor more would be silently dropped. */
+    /* This example computes routed experts only; any other tensor would be silently dropped. */
     if (h.other_tensor[0])
         return fail("tensor '%s': this example computes routed experts only (no biases, no shared expert); "
                     "serve this layer with the Python package", h.other_tensor);
