@@ -1,18 +1,24 @@
 /*
  * colibri.h — the whole public surface of Colibri, a Mixture-of-Experts layer engine.
  *
- * One context holds one MoE layer: E experts whose weights live in one packed buffer (row e of the
- * checkpoint's `experts` tensor is expert e, addressed through expert_offsets[]), an optional
- * router [E, H], and workspace sized at init. colibri_moe_forward computes, for each token t,
+ * One context holds one MoE layer: E routed experts whose weights live in one packed buffer (row e of
+ * the checkpoint's `experts` tensor is expert e, addressed through expert_offsets[]), an optional
+ * router [E, H], an optional shared expert, and workspace sized at init. colibri_moe_forward computes,
+ * for each token t,
  *
- *     output[t] = sum_{j < k} topk_weights[t, j] * expert_{topk_ids[t, j]}(input[t])
+ *     output[t] = sum_{j < k} topk_weights[t, j] * expert_{topk_ids[t, j]}(input[t])  [+ shared(input[t])]
  *
- * where the routing (topk_ids, topk_weights) is given by the caller or computed from the router.
- * Expert kinds (weights row-major, as torch.nn.Linear.weight):
- *     SWIGLU: gate [F, H], up [F, H], down [H, F] back to back;  y = down(silu(gate x) * up x), width H
- *     LINEAR: w [F, H];                                           y = w x,                      width F
- * Dot products accumulate in fp32 whatever the storage dtypes. With 16-bit weights a backend may round
- * the SWIGLU intermediate silu(gate x) * up x and each expert's output to the weight dtype between
+ * where the routing (topk_ids, topk_weights) is given by the caller or computed from the router
+ * (colibri_routing_t). Expert kinds (weights row-major, as torch.nn.Linear.weight; b: the optional
+ * fp32 expert biases, colibri_moe_weights_t.expert_bias):
+ *     SWIGLU: gate [F, H], up [F, H], down [H, F] back to back;
+ *             y = down(act(gate x + b_gate, up x + b_up)) + b_down, width H (colibri_activation_t)
+ *     LINEAR: w [F, H];  y = w x + b, width F
+ * The shared expert (config.shared_intermediate_size = Fs > 0) is a SWIGLU expert with SILU and no
+ * biases, gate [Fs, H], up [Fs, H], down [H, Fs], applied to every token with weight 1, or with weight
+ * sigmoid(shared_gate . x) when config.shared_gate is 1 (Qwen2-MoE); routed_scaling_factor does not
+ * apply to it. Dot products accumulate in fp32 whatever the storage dtypes. With 16-bit weights a
+ * backend may round the SWIGLU intermediate and each expert's output to the weight dtype between
  * steps, as PyTorch does in bf16 (the CPU does so for bf16 x bf16, CUDA for 16-bit weights); the
  * tests' error limits per dtype allow for it.
  *
@@ -58,18 +64,38 @@ typedef enum {
     COLIBRI_EXPERT_LINEAR = 1
 } colibri_expert_kind_t;
 
-/* Built-in routing from router logits l = router_weight @ x (+ nothing; the bias is only for selection):
- *   SOFTMAX_TOPK : p = softmax(l); ids = top-k of p; w = p[ids]; renormalize -> w /= sum(w)  (Mixtral, Qwen)
- *   TOPK_SOFTMAX : ids = top-k of l; w = softmax(l[ids])                                     (renormalize ignored)
- *   SIGMOID_BIAS : s = sigmoid(l); ids = top-k of (s + router_bias); w = s[ids];
- *                  renormalize -> w /= sum(w)                                                (DeepSeek-V3)
- * then w *= routed_scaling_factor. Ties in top-k go to the lower expert id; ids come out in
- * descending order of the selection score. */
+/* act(g, u) of SWIGLU experts (g, u: the gate and up projections, biases added):
+ *   SILU       : silu(g) * u = g * sigmoid(g) * u                                  (most models)
+ *   SWIGLU_OAI : g' = min(g, limit); u' = clamp(u, -limit, limit);
+ *                (u' + 1) * g' * sigmoid(alpha * g')                                (gpt-oss) */
+typedef enum {
+    COLIBRI_ACTIVATION_SILU = 0,
+    COLIBRI_ACTIVATION_SWIGLU_OAI = 1
+} colibri_activation_t;
+
+/* Built-in routing. Router logits l = router_weight @ x + router_logit_bias (the bias only if given),
+ * a score p_e per expert and a selection score s_e:
+ *   SOFTMAX_TOPK : p = softmax(l), s = l                                  (Mixtral, Qwen, DeepSeek-V2)
+ *   TOPK_SOFTMAX : p = l,          s = l                                  (gpt-oss)
+ *   SIGMOID_BIAS : p = sigmoid(l), s = p + router_bias (a correction used
+ *                  for selection only; required, and only used here)      (DeepSeek-V3, GLM-4.5)
+ * Group limit (n_group > 1, DeepSeek): the E experts form n_group groups of E / n_group consecutive
+ * ids; a group's score is the max of its s_e (GROUP_SCORE_MAX) or the sum of its two highest
+ * (GROUP_SCORE_TOP2_SUM); only the experts of the topk_group best groups can be selected.
+ * Selection: ids = the k highest s_e (among the allowed groups). Weights: w_j = p[ids_j], except
+ * TOPK_SOFTMAX where w = softmax(l[ids]); renormalize (SOFTMAX_TOPK, SIGMOID_BIAS) -> w /= sum(w);
+ * then w *= routed_scaling_factor. Ties (scores and group scores) go to the lower id; ids come out in
+ * descending order of s. */
 typedef enum {
     COLIBRI_ROUTING_SOFTMAX_TOPK = 0,
     COLIBRI_ROUTING_TOPK_SOFTMAX = 1,
     COLIBRI_ROUTING_SIGMOID_BIAS = 2
 } colibri_routing_t;
+
+typedef enum {
+    COLIBRI_GROUP_SCORE_MAX = 0,
+    COLIBRI_GROUP_SCORE_TOP2_SUM = 1
+} colibri_group_score_t;
 
 typedef enum {
     COLIBRI_DEVICE_CPU = 0,
@@ -112,16 +138,48 @@ typedef struct {
     int32_t num_threads;              /* CPU threads; 0 = OpenMP's default */
     colibri_routing_fn_t routing_fn;  /* NULL = built-in routing */
     void *routing_user_data;
+    /* Appended fields: zero gives the behaviour the layer had without them. */
+    int32_t n_group;                  /* 0 or 1: no group limit; else E % n_group == 0 */
+    int32_t topk_group;               /* groups kept, 1 <= topk_group <= n_group, k <= topk_group * E / n_group */
+    colibri_group_score_t group_score;
+    colibri_activation_t activation;  /* SWIGLU experts only */
+    float activation_alpha;           /* SWIGLU_OAI: > 0, finite (gpt-oss 1.702) */
+    float activation_limit;           /* SWIGLU_OAI: > 0, finite (gpt-oss 7.0) */
+    int32_t expert_bias;              /* 1: colibri_moe_weights_t.expert_bias is given */
+    int32_t shared_intermediate_size; /* Fs >= 0; 0 = no shared expert */
+    int32_t shared_gate;              /* 1: the shared expert's output is scaled by sigmoid(shared_gate . x) */
 } colibri_moe_config_t;
 
-/* Creates a context for one MoE layer. All pointers here are HOST pointers.
- * On the CPU the expert weights are used in place (borrowed: they must outlive the context, e.g. a
- * memory-mapped checkpoint); on CUDA they are copied to the device once, in one allocation.
- * The router is copied (as fp32) in both cases. router_weight may be NULL only if every forward
- * passes topk_ids or the config has a routing_fn; router_bias is required for SIGMOID_BIAS and
- * optional (ignored) otherwise. */
-colibri_status_t colibri_moe_context_init(
+/* Every weight of a layer, HOST pointers (see colibri_moe_context_create). */
+typedef struct {
+    const void *expert_weights;       /* packed buffer, weight_dtype, expert_weights_numel elements */
+    const uint64_t *expert_offsets;   /* [E] element offset of expert e in expert_weights */
+    uint64_t expert_weights_numel;    /* every expert must lie inside the buffer */
+    const float *expert_bias;         /* config.expert_bias: [E, 2F + H] (SWIGLU: gate, up, down biases)
+                                         or [E, F] (LINEAR), fp32; else NULL */
+    const float *router_weight;       /* [E, H] fp32, or NULL */
+    const float *router_logit_bias;   /* [E] fp32 added to the logits, or NULL */
+    const float *router_bias;         /* [E] fp32, SIGMOID_BIAS's selection-only correction, else NULL */
+    const void *shared_weights;       /* shared expert, weight_dtype: gate [Fs,H], up [Fs,H], down [H,Fs] */
+    const float *shared_gate_weight;  /* [H] fp32 when config.shared_gate, else NULL */
+} colibri_moe_weights_t;
+
+/* Creates a context for one MoE layer. All pointers are HOST pointers.
+ * On the CPU the expert and shared-expert weights are used in place (borrowed: they must outlive the
+ * context, e.g. a memory-mapped checkpoint); on CUDA they are copied to the device once. The router,
+ * its biases, the expert biases and the shared gate are copied (as fp32) in both cases. router_weight
+ * may be NULL only if every forward passes topk_ids or the config has a routing_fn. A weight the
+ * config asks for must be given, and one it does not ask for must be NULL (so nothing given is
+ * silently unused). */
+colibri_status_t colibri_moe_context_create(
     colibri_moe_context_t **out_ctx,      /* receives the new context; set to NULL on failure */
+    const colibri_moe_config_t *config,
+    const colibri_moe_weights_t *weights);
+
+/* colibri_moe_context_create for a layer of routed experts without biases or shared expert; router_bias
+ * (selection only) is used by SIGMOID_BIAS routing and ignored by the others. */
+colibri_status_t colibri_moe_context_init(
+    colibri_moe_context_t **out_ctx,
     const colibri_moe_config_t *config,
     const void *expert_weights,           /* packed buffer, weight_dtype, expert_weights_numel elements */
     const uint64_t *expert_offsets,       /* [E] element offset of expert e in expert_weights */

@@ -42,7 +42,56 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
         return colibri_set_error(bad, "config.device_id must be >= 0, got %d", c->device_id);
     if (c->num_threads < 0)
         return colibri_set_error(bad, "config.num_threads must be >= 0, got %d", c->num_threads);
+    if (c->n_group < 0)
+        return colibri_set_error(bad, "config.n_group must be >= 0, got %d", c->n_group);
+    if (c->n_group > 1) {
+        const int32_t size = c->num_experts / c->n_group;
+        if (c->num_experts % c->n_group)
+            return colibri_set_error(bad, "config.n_group=%d does not divide num_experts=%d", c->n_group,
+                                     c->num_experts);
+        if (c->topk_group < 1 || c->topk_group > c->n_group)
+            return colibri_set_error(bad, "config.topk_group must be in [1, n_group=%d], got %d", c->n_group,
+                                     c->topk_group);
+        if (c->top_k > c->topk_group * size)
+            return colibri_set_error(bad, "config.top_k=%d exceeds the %d experts of topk_group=%d groups",
+                                     c->top_k, c->topk_group * size, c->topk_group);
+        if (c->group_score != COLIBRI_GROUP_SCORE_MAX && c->group_score != COLIBRI_GROUP_SCORE_TOP2_SUM)
+            return colibri_set_error(bad, "config.group_score %d is not a known group score", (int)c->group_score);
+        if (c->group_score == COLIBRI_GROUP_SCORE_TOP2_SUM && size < 2)
+            return colibri_set_error(bad, "config.group_score TOP2_SUM needs groups of 2 or more experts, got %d",
+                                     size);
+    }
+    if (c->activation != COLIBRI_ACTIVATION_SILU && c->activation != COLIBRI_ACTIVATION_SWIGLU_OAI)
+        return colibri_set_error(bad, "config.activation %d is not a known activation", (int)c->activation);
+    if (c->activation != COLIBRI_ACTIVATION_SILU && c->expert_kind != COLIBRI_EXPERT_SWIGLU)
+        return colibri_set_error(bad, "config.activation applies to SWIGLU experts only");
+    if (c->activation == COLIBRI_ACTIVATION_SWIGLU_OAI &&
+        (!(c->activation_alpha > 0.0f) || !isfinite(c->activation_alpha) || !(c->activation_limit > 0.0f) ||
+         !isfinite(c->activation_limit)))
+        return colibri_set_error(bad, "config.activation_alpha and activation_limit must be finite and > 0, got %g, %g",
+                                 (double)c->activation_alpha, (double)c->activation_limit);
+    if (c->expert_bias != 0 && c->expert_bias != 1)
+        return colibri_set_error(bad, "config.expert_bias must be 0 or 1, got %d", c->expert_bias);
+    if (c->shared_intermediate_size < 0)
+        return colibri_set_error(bad, "config.shared_intermediate_size must be >= 0, got %d",
+                                 c->shared_intermediate_size);
+    if (c->shared_intermediate_size > 0 && c->expert_kind != COLIBRI_EXPERT_SWIGLU)
+        return colibri_set_error(bad, "a shared expert needs SWIGLU experts");
+    if (c->shared_gate != 0 && c->shared_gate != 1)
+        return colibri_set_error(bad, "config.shared_gate must be 0 or 1, got %d", c->shared_gate);
+    if (c->shared_gate && c->shared_intermediate_size == 0)
+        return colibri_set_error(bad, "config.shared_gate is 1 but there is no shared expert");
     return COLIBRI_OK;
+}
+
+/* The features a CUDA build does not compute yet; refused rather than computed differently. */
+static const char *cuda_missing(const colibri_moe_config_t *c, const colibri_moe_weights_t *w) {
+    if (c->n_group > 1) return "group-limited routing (n_group > 1)";
+    if (c->activation != COLIBRI_ACTIVATION_SILU) return "the SWIGLU_OAI activation";
+    if (c->expert_bias) return "expert biases";
+    if (c->shared_intermediate_size > 0) return "shared experts";
+    if (w->router_logit_bias) return "a router logit bias";
+    return NULL;
 }
 
 static float *copy_finite_floats(const float *src, size_t n, const char *name, colibri_status_t *st) {
@@ -65,52 +114,128 @@ static float *copy_finite_floats(const float *src, size_t n, const char *name, c
 
 static void free_context(colibri_moe_context_t *ctx) {
     free(ctx->router_weight);
+    free(ctx->router_logit_bias);
     free(ctx->router_bias);
+    free(ctx->shared_gate);
+    free(ctx->expert_bias);
+    free(ctx->shared_packed);
     free(ctx);
 }
 
-colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const colibri_moe_config_t *config,
-                                          const void *expert_weights, const uint64_t *expert_offsets,
-                                          uint64_t expert_weights_numel, const float *router_weight,
-                                          const float *router_bias) {
+/* A weight is given exactly when the config asks for it, so nothing given is silently unused. */
+static colibri_status_t check_given(const void *ptr, int wanted, const char *name, const char *why) {
+    if (wanted && !ptr) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "weights.%s is NULL but %s", name, why);
+    if (!wanted && ptr)
+        return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "weights.%s is given but the config does not use it "
+                                 "(%s)", name, why);
+    return COLIBRI_OK;
+}
+
+/* The shared expert's m slices of width F as experts of the packed layout: gate and up rows
+ * [i F, i F + F) and those columns of down, zero past Fs. */
+static void *repack_shared(const colibri_moe_config_t *c, const void *shared, int32_t m, uint64_t numel) {
+    const size_t es = colibri_dtype_size(c->weight_dtype);
+    const int64_t H = c->hidden_size, F = c->intermediate_size, Fs = c->shared_intermediate_size;
+    char *dst = (char *)calloc((size_t)m * numel, es);
+    if (!dst) return NULL;
+    const char *gate = (const char *)shared, *up = gate + (size_t)(Fs * H) * es, *down = up + (size_t)(Fs * H) * es;
+    for (int32_t i = 0; i < m; i++) {
+        char *e = dst + (size_t)i * numel * es;
+        const int64_t f0 = (int64_t)i * F, rows = Fs - f0 < F ? Fs - f0 : F;
+        memcpy(e, gate + (size_t)(f0 * H) * es, (size_t)(rows * H) * es);
+        memcpy(e + (size_t)(F * H) * es, up + (size_t)(f0 * H) * es, (size_t)(rows * H) * es);
+        for (int64_t h = 0; h < H; h++)
+            memcpy(e + (size_t)(2 * F * H + h * F) * es, down + (size_t)(h * Fs + f0) * es, (size_t)rows * es);
+    }
+    return dst;
+}
+
+colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, const colibri_moe_config_t *config,
+                                            const colibri_moe_weights_t *w) {
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
     if (!out_ctx) return colibri_set_error(bad, "out_ctx is NULL");
     *out_ctx = NULL;
     if (!config) return colibri_set_error(bad, "config is NULL");
-    if (!expert_weights) return colibri_set_error(bad, "expert_weights is NULL");
-    if (!expert_offsets) return colibri_set_error(bad, "expert_offsets is NULL");
+    if (!w) return colibri_set_error(bad, "weights is NULL");
+    if (!w->expert_weights) return colibri_set_error(bad, "weights.expert_weights is NULL");
+    if (!w->expert_offsets) return colibri_set_error(bad, "weights.expert_offsets is NULL");
     colibri_status_t st = validate_config(config);
     if (st != COLIBRI_OK) return st;
-    if (config->routing == COLIBRI_ROUTING_SIGMOID_BIAS && router_weight && !router_bias && !config->routing_fn)
+    const colibri_moe_config_t *c = config;
+    const int sigmoid = c->routing == COLIBRI_ROUTING_SIGMOID_BIAS;
+    if (sigmoid && w->router_weight && !w->router_bias && !c->routing_fn)
         return colibri_set_error(bad, "SIGMOID_BIAS routing needs router_bias");
+    if (!sigmoid && (st = check_given(w->router_bias, 0, "router_bias", "only SIGMOID_BIAS routing uses it")))
+        return st;
+    if ((st = check_given(w->expert_bias, c->expert_bias, "expert_bias", "config.expert_bias is 1")) ||
+        (st = check_given(w->shared_weights, c->shared_intermediate_size > 0, "shared_weights",
+                          "config.shared_intermediate_size > 0")) ||
+        (st = check_given(w->shared_gate_weight, c->shared_gate, "shared_gate_weight", "config.shared_gate is 1")))
+        return st;
+    if (w->router_logit_bias && !w->router_weight)
+        return colibri_set_error(bad, "weights.router_logit_bias is given without router_weight");
+    if (c->device == COLIBRI_DEVICE_CUDA) {
+        const char *missing = cuda_missing(c, w);
+        if (missing)
+            return colibri_set_error(COLIBRI_ERR_UNSUPPORTED, "the CUDA backend does not compute %s yet; "
+                                     "use the CPU backend for this layer", missing);
+    }
 
-    uint64_t numel = colibri_expert_numel(config->expert_kind, config->hidden_size, config->intermediate_size);
-    for (int32_t e = 0; e < config->num_experts; e++) {
-        if (expert_offsets[e] > expert_weights_numel || expert_weights_numel - expert_offsets[e] < numel)
+    uint64_t numel = colibri_expert_numel(c->expert_kind, c->hidden_size, c->intermediate_size);
+    for (int32_t e = 0; e < c->num_experts; e++) {
+        if (w->expert_offsets[e] > w->expert_weights_numel || w->expert_weights_numel - w->expert_offsets[e] < numel)
             return colibri_set_error(bad,
                                      "expert %d at offset %llu with %llu elements does not fit in the packed "
                                      "buffer of %llu elements",
-                                     e, (unsigned long long)expert_offsets[e], (unsigned long long)numel,
-                                     (unsigned long long)expert_weights_numel);
+                                     e, (unsigned long long)w->expert_offsets[e], (unsigned long long)numel,
+                                     (unsigned long long)w->expert_weights_numel);
     }
 
     colibri_moe_context_t *ctx = (colibri_moe_context_t *)calloc(1, sizeof *ctx);
     if (!ctx) return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the context");
     ctx->cfg = *config;
+    if (ctx->cfg.n_group < 1) ctx->cfg.n_group = 1;
     ctx->expert_numel = numel;
-    ctx->out_features = config->expert_kind == COLIBRI_EXPERT_SWIGLU ? config->hidden_size : config->intermediate_size;
-    if (router_weight) {
-        ctx->router_weight = copy_finite_floats(router_weight, (size_t)config->num_experts * (size_t)config->hidden_size,
-                                                "router_weight", &st);
-        if (st != COLIBRI_OK) { free_context(ctx); return st; }
-        if (router_bias) {
-            ctx->router_bias = copy_finite_floats(router_bias, (size_t)config->num_experts, "router_bias", &st);
-            if (st != COLIBRI_OK) { free_context(ctx); return st; }
+    ctx->out_features = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? c->hidden_size : c->intermediate_size;
+    ctx->bias_numel = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? 2 * c->intermediate_size + c->hidden_size
+                                                              : c->intermediate_size;
+    const int64_t E = c->num_experts, H = c->hidden_size;
+    if (c->shared_intermediate_size > 0) {
+        ctx->shared_experts = (c->shared_intermediate_size + c->intermediate_size - 1) / c->intermediate_size;
+        ctx->shared_packed = repack_shared(c, w->shared_weights, ctx->shared_experts, numel);
+        if (!ctx->shared_packed) {
+            free_context(ctx);
+            return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the shared expert's copy");
         }
+        for (size_t i = 0, n = (size_t)ctx->shared_experts * numel; i < n && c->weight_dtype == COLIBRI_DTYPE_F32; i++)
+            if (!isfinite(((const float *)ctx->shared_packed)[i])) {
+                free_context(ctx);
+                return colibri_set_error(bad, "weights.shared_weights holds a value that is not finite");
+            }
+    }
+    if (c->expert_bias) {
+        const size_t row = (size_t)ctx->bias_numel, all = (size_t)colibri_all_experts(ctx) * row;
+        ctx->expert_bias = copy_finite_floats(w->expert_bias, (size_t)E * row, "expert_bias", &st);
+        float *grown = st == COLIBRI_OK ? (float *)realloc(ctx->expert_bias, all * sizeof(float)) : NULL;
+        if (st == COLIBRI_OK && !grown) st = colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate expert_bias");
+        if (st != COLIBRI_OK) { free_context(ctx); return st; }
+        ctx->expert_bias = grown;
+        memset(grown + (size_t)E * row, 0, all * sizeof(float) - (size_t)E * row * sizeof(float));
+    }
+    struct { const float *src; size_t n; const char *name; float **dst; } copies[] = {
+        {w->router_weight, (size_t)(E * H), "router_weight", &ctx->router_weight},
+        {w->router_logit_bias, (size_t)E, "router_logit_bias", &ctx->router_logit_bias},
+        {w->router_weight ? w->router_bias : NULL, (size_t)E, "router_bias", &ctx->router_bias},
+        {w->shared_gate_weight, (size_t)H, "shared_gate_weight", &ctx->shared_gate},
+    };
+    for (size_t i = 0; i < sizeof copies / sizeof copies[0]; i++) {
+        if (!copies[i].src) continue;
+        *copies[i].dst = copy_finite_floats(copies[i].src, copies[i].n, copies[i].name, &st);
+        if (st != COLIBRI_OK) { free_context(ctx); return st; }
     }
 
-    ctx->ops = config->device == COLIBRI_DEVICE_CPU ? &colibri_cpu_backend : &colibri_cuda_backend;
-    st = ctx->ops->init(ctx, expert_weights, expert_offsets);
+    ctx->ops = c->device == COLIBRI_DEVICE_CPU ? &colibri_cpu_backend : &colibri_cuda_backend;
+    st = ctx->ops->init(ctx, w->expert_weights, w->expert_offsets);
     if (st != COLIBRI_OK) { free_context(ctx); return st; }
     if (ctx->cfg.workspace_tokens < 1) {
         colibri_moe_context_destroy(ctx);
@@ -118,6 +243,21 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
     }
     *out_ctx = ctx;
     return COLIBRI_OK;
+}
+
+colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const colibri_moe_config_t *config,
+                                          const void *expert_weights, const uint64_t *expert_offsets,
+                                          uint64_t expert_weights_numel, const float *router_weight,
+                                          const float *router_bias) {
+    colibri_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.expert_weights = expert_weights;
+    w.expert_offsets = expert_offsets;
+    w.expert_weights_numel = expert_weights_numel;
+    w.router_weight = router_weight;
+    /* this entry point has always ignored router_bias outside SIGMOID_BIAS routing */
+    w.router_bias = config && config->routing == COLIBRI_ROUTING_SIGMOID_BIAS ? router_bias : NULL;
+    return colibri_moe_context_create(out_ctx, config, &w);
 }
 
 colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,

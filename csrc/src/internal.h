@@ -16,15 +16,30 @@
 extern "C" {
 #endif
 
+/* The shared expert runs as `shared_experts` extra experts E, E + 1, ... of width F that every token
+ * takes after its k routed ones (slot weight 1, or the shared gate): a SwiGLU splits along its
+ * intermediate dimension, so the backends' grouped expert path computes it with no second pass, and
+ * zero rows pad its last slice (silu(0) * 0 = 0). Their weights are the front end's repacked copy. */
 struct colibri_moe_context {
     colibri_moe_config_t cfg;      /* validated copy; workspace_tokens filled in by the backend's init */
     uint64_t expert_numel;         /* elements of one expert */
     int32_t out_features;          /* H for SWIGLU, F for LINEAR */
+    int32_t bias_numel;            /* elements of one expert's bias row: 2F + H (SWIGLU) or F */
+    int32_t shared_experts;        /* m = ceil(Fs / F) extra experts, 0 without a shared expert */
+    void *shared_packed;           /* [m, expert_numel] weight_dtype host copy of the shared expert, or NULL */
+    float *expert_bias;            /* [E + m, bias_numel] fp32 host copy (zero rows for the shared), or NULL */
     float *router_weight;          /* [E, H] fp32 host copy, or NULL */
-    float *router_bias;            /* [E] fp32 host copy, or NULL */
+    float *router_logit_bias;      /* [E] fp32 host copy, or NULL */
+    float *router_bias;            /* [E] fp32 host copy (SIGMOID_BIAS only), or NULL */
+    float *shared_gate;            /* [H] fp32 host copy, or NULL */
     const struct colibri_backend *ops; /* the backend this context runs on */
     void *backend;                 /* backend-owned state */
 };
+
+/* Experts the backends run: the routed ones and the shared expert's slices. */
+static inline int32_t colibri_all_experts(const struct colibri_moe_context *ctx) {
+    return ctx->cfg.num_experts + ctx->shared_experts;
+}
 
 /* Records a formatted message for colibri_last_error() on this thread and returns status. */
 colibri_status_t colibri_set_error(colibri_status_t status, const char *fmt, ...)

@@ -118,8 +118,15 @@ typedef struct {
     uint64_t numel;
     double *wd;          /* [E, expert_numel] decoded weights */
     float *router;       /* [E, H] or NULL */
-    float *bias;         /* [E] or NULL */
+    float *bias;         /* [E] or NULL (SIGMOID_BIAS's selection bias) */
     int out;             /* output width */
+    /* the appended features (layer_add_features) */
+    float *logit_bias;   /* [E] or NULL */
+    float *expert_bias;  /* [E, bias_numel] or NULL */
+    int bias_numel;
+    void *shared;        /* [3 * Fs * H] cfg.weight_dtype, or NULL */
+    double *sd;          /* decoded */
+    float *shared_gate;  /* [H] or NULL */
 } layer_t;
 
 static void layer_free(layer_t *L) {
@@ -128,6 +135,11 @@ static void layer_free(layer_t *L) {
     free(L->wd);
     free(L->router);
     free(L->bias);
+    free(L->logit_bias);
+    free(L->expert_bias);
+    free(L->shared);
+    free(L->sd);
+    free(L->shared_gate);
     memset(L, 0, sizeof *L);
 }
 
@@ -175,17 +187,109 @@ static void layer_make(layer_t *L, colibri_expert_kind_t kind, colibri_dtype_t w
     }
 }
 
+/* Features of colibri_moe_config_t's appended fields, as flags of a test case. */
+enum {
+    F_GROUPS = 1,      /* n_group > 1 (group score from the case's routing: MAX for softmax, TOP2_SUM for sigmoid) */
+    F_LOGIT_BIAS = 2,  /* router_logit_bias */
+    F_EXPERT_BIAS = 4, /* expert biases */
+    F_OAI = 8,         /* the SWIGLU_OAI activation */
+    F_SHARED = 16,     /* a shared expert */
+    F_SHARED_GATE = 32 /* ... with a sigmoid gate */
+};
+
+/* Adds the features to a layer from layer_make; E must suit F_GROUPS (several groups of >= 2). */
+static void layer_add_features(layer_t *L, int features, int n_group) {
+    colibri_moe_config_t *c = &L->cfg;
+    const int E = c->num_experts, H = c->hidden_size, F = c->intermediate_size;
+    if (features & F_GROUPS) {
+        c->n_group = n_group;
+        c->topk_group = randint(1, n_group);
+        while (c->top_k > c->topk_group * (E / n_group)) c->topk_group++;
+        c->group_score = c->routing == COLIBRI_ROUTING_SIGMOID_BIAS ? COLIBRI_GROUP_SCORE_TOP2_SUM : COLIBRI_GROUP_SCORE_MAX;
+    }
+    if (features & F_LOGIT_BIAS) {
+        L->logit_bias = malloc((size_t)E * sizeof(float));
+        for (int e = 0; e < E; e++) L->logit_bias[e] = (float)uniform(-1, 1);
+        if (E >= 3) L->logit_bias[E - 1] = L->logit_bias[0]; /* keep layer_make's exact tie */
+    }
+    if (features & F_EXPERT_BIAS) {
+        c->expert_bias = 1;
+        L->bias_numel = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? 2 * F + H : F;
+        L->expert_bias = malloc((size_t)E * L->bias_numel * sizeof(float));
+        for (int i = 0; i < E * L->bias_numel; i++) L->expert_bias[i] = (float)uniform(-0.5, 0.5);
+    }
+    if (features & F_OAI) {
+        c->activation = COLIBRI_ACTIVATION_SWIGLU_OAI;
+        c->activation_alpha = 1.702f;
+        c->activation_limit = (float)uniform(0.3, 1.5); /* small enough that both clamps bite */
+    }
+    if (features & F_SHARED) {
+        const int Fs = randint(8, 2 * F + 5); /* one to three slices of F, the last padded */
+        c->shared_intermediate_size = Fs;
+        const size_t n = 3 * (size_t)Fs * H;
+        L->shared = malloc(n * colibri_dtype_size(c->weight_dtype));
+        L->sd = malloc(n * sizeof *L->sd);
+        for (size_t i = 0; i < n; i++) {
+            encode_trunc(L->shared, c->weight_dtype, i, uniform(-1, 1) * sqrt(3.0 / (i >= 2 * (size_t)Fs * H ? Fs : H)));
+            L->sd[i] = decode(L->shared, c->weight_dtype, i);
+        }
+    }
+    if (features & F_SHARED_GATE) {
+        c->shared_gate = 1;
+        L->shared_gate = malloc((size_t)H * sizeof(float));
+        for (int i = 0; i < H; i++) L->shared_gate[i] = (float)(uniform(-1, 1) * sqrt(3.0 / H) * 2.0);
+    }
+}
+
+/* The layers with appended features go through colibri_moe_context_create, the others through
+ * colibri_moe_context_init, so both entry points stay tested. */
 static colibri_status_t layer_init(const layer_t *L, colibri_moe_context_t **ctx) {
-    return colibri_moe_context_init(ctx, &L->cfg, L->weights, L->offsets, L->numel, L->router, L->bias);
+    if (!L->logit_bias && !L->expert_bias && !L->shared && !L->cfg.n_group && !L->cfg.activation)
+        return colibri_moe_context_init(ctx, &L->cfg, L->weights, L->offsets, L->numel, L->router, L->bias);
+    colibri_moe_weights_t w = {L->weights, L->offsets, L->numel, L->expert_bias, L->router, L->logit_bias,
+                               L->bias, L->shared, L->shared_gate};
+    return colibri_moe_context_create(ctx, &L->cfg, &w);
+}
+
+/* act(g, u) of colibri_activation_t in doubles. */
+static double ref_act(const colibri_moe_config_t *c, double g, double u) {
+    if (c->activation == COLIBRI_ACTIVATION_SILU) return g / (1.0 + exp(-g)) * u;
+    const double limit = c->activation_limit, gc = fmin(g, limit), uc = fmax(fmin(u, limit), -limit);
+    return (uc + 1.0) * gc / (1.0 + exp(-(double)c->activation_alpha * gc));
+}
+
+/* The shared expert on x, added to y with weight g (1, or the gate's sigmoid). */
+static void ref_shared(const layer_t *L, const double *x, double *y) {
+    const int H = L->cfg.hidden_size, Fs = L->cfg.shared_intermediate_size;
+    const double *gate = L->sd, *up = L->sd + (size_t)Fs * H, *down = L->sd + 2 * (size_t)Fs * H;
+    double g = 1.0;
+    if (L->shared_gate) {
+        double d = 0;
+        for (int i = 0; i < H; i++) d += (double)L->shared_gate[i] * x[i];
+        g = 1.0 / (1.0 + exp(-d));
+    }
+    double *h = malloc((size_t)Fs * sizeof *h);
+    for (int f = 0; f < Fs; f++) {
+        double a = 0, b = 0;
+        for (int i = 0; i < H; i++) a += gate[(size_t)f * H + i] * x[i], b += up[(size_t)f * H + i] * x[i];
+        h[f] = a / (1.0 + exp(-a)) * b;
+    }
+    for (int o = 0; o < H; o++) {
+        double d = 0;
+        for (int f = 0; f < Fs; f++) d += down[(size_t)o * Fs + f] * h[f];
+        y[o] += g * d;
+    }
+    free(h);
 }
 
 /* y = expert e applied to x (doubles), width L->out. */
 static void ref_expert(const layer_t *L, int e, const double *x, double *y, double *h) {
     const int H = L->cfg.hidden_size, F = L->cfg.intermediate_size;
     const double *w = L->wd + (size_t)e * colibri_expert_numel(L->cfg.expert_kind, H, F);
+    const float *b = L->expert_bias ? L->expert_bias + (size_t)e * L->bias_numel : NULL;
     if (L->cfg.expert_kind == COLIBRI_EXPERT_LINEAR) {
         for (int f = 0; f < F; f++) {
-            double s = 0;
+            double s = b ? b[f] : 0;
             for (int i = 0; i < H; i++) s += w[(size_t)f * H + i] * x[i];
             y[f] = s;
         }
@@ -193,15 +297,15 @@ static void ref_expert(const layer_t *L, int e, const double *x, double *y, doub
     }
     const double *gate = w, *up = w + (size_t)F * H, *down = w + 2 * (size_t)F * H;
     for (int f = 0; f < F; f++) {
-        double g = 0, u = 0;
+        double g = b ? b[f] : 0, u = b ? b[F + f] : 0;
         for (int i = 0; i < H; i++) {
             g += gate[(size_t)f * H + i] * x[i];
             u += up[(size_t)f * H + i] * x[i];
         }
-        h[f] = g / (1.0 + exp(-g)) * u;
+        h[f] = ref_act(&L->cfg, g, u);
     }
     for (int o = 0; o < H; o++) {
-        double s = 0;
+        double s = b ? b[2 * F + o] : 0;
         for (int f = 0; f < F; f++) s += down[(size_t)o * F + f] * h[f];
         y[o] = s;
     }
@@ -219,20 +323,23 @@ static void ref_forward(const layer_t *L, int T, const double *x, const int32_t 
             ref_expert(L, ids[t * k + j], x + (size_t)t * H, y, h);
             for (int o = 0; o < O; o++) out[(size_t)t * O + o] += w[t * k + j] * y[o];
         }
+        if (L->shared) ref_shared(L, x + (size_t)t * H, out + (size_t)t * O);
     }
     free(y);
     free(h);
 }
 
-/* Reference routing in doubles. score gets the selection score of every expert (for near-tie checks). */
-static void ref_route(const layer_t *L, const double *x, int32_t *ids, double *w, double *score) {
+/* Reference routing in doubles. score gets the selection score of every expert (for near-tie checks),
+ * -inf outside the kept groups. Returns 0 when the kept groups are ambiguous (a near-tie of group scores
+ * at the boundary), else 1. */
+static int ref_route(const layer_t *L, const double *x, int32_t *ids, double *w, double *score) {
     const colibri_moe_config_t *c = &L->cfg;
     const int E = c->num_experts, k = c->top_k, H = c->hidden_size;
     double logit[64], prob[64];
     for (int e = 0; e < E; e++) {
         double s = 0;
         for (int i = 0; i < H; i++) s += (double)L->router[(size_t)e * H + i] * x[i];
-        logit[e] = s;
+        logit[e] = s + (L->logit_bias ? L->logit_bias[e] : 0.0);
     }
     double max = logit[0], sum = 0;
     for (int e = 1; e < E; e++) max = fmax(max, logit[e]);
@@ -248,6 +355,32 @@ static void ref_route(const layer_t *L, const double *x, int32_t *ids, double *w
     }
     if (c->routing == COLIBRI_ROUTING_SOFTMAX_TOPK)
         for (int e = 0; e < E; e++) score[e] = prob[e] /= sum;
+    int groups_clear = 1;
+    if (c->n_group > 1) {
+        const int G = c->n_group, size = E / G;
+        double gs[64], sorted[64];
+        for (int g = 0; g < G; g++) {
+            double a = -INFINITY, b = -INFINITY;
+            for (int i = 0; i < size; i++) {
+                const double v = score[g * size + i];
+                if (v > a) b = a, a = v;
+                else if (v > b) b = v;
+            }
+            gs[g] = sorted[g] = c->group_score == COLIBRI_GROUP_SCORE_TOP2_SUM ? a + b : a;
+        }
+        for (int i = 0; i < G; i++) /* descending */
+            for (int j = i + 1; j < G; j++)
+                if (sorted[j] > sorted[i]) { const double t = sorted[i]; sorted[i] = sorted[j]; sorted[j] = t; }
+        if (c->topk_group < G && sorted[c->topk_group - 1] != sorted[c->topk_group] &&
+            sorted[c->topk_group - 1] - sorted[c->topk_group] <= 1e-4 * (fabs(sorted[0]) + 1e-3))
+            groups_clear = 0;
+        for (int g = 0; g < G; g++) {
+            int rank = 0;
+            for (int h = 0; h < G; h++) rank += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
+            if (rank >= c->topk_group)
+                for (int i = 0; i < size; i++) score[g * size + i] = -INFINITY;
+        }
+    }
     int taken[64] = {0};
     for (int j = 0; j < k; j++) { /* selection sort: the largest remaining, ties to the lower id */
         int best = -1;
@@ -263,6 +396,7 @@ static void ref_route(const layer_t *L, const double *x, int32_t *ids, double *w
     }
     const int renorm = c->routing == COLIBRI_ROUTING_TOPK_SOFTMAX || c->renormalize;
     for (int j = 0; j < k; j++) w[j] = (renorm ? w[j] / wsum : w[j]) * c->routed_scaling_factor;
+    return groups_clear;
 }
 
 /* A token's routing is unambiguous when every adjacent pair of its top k + 1 reference scores differs
@@ -271,7 +405,8 @@ static void ref_route(const layer_t *L, const double *x, int32_t *ids, double *w
 static int clear_routing(const layer_t *L, const int32_t *ids, const double *score) {
     const int E = L->cfg.num_experts, k = L->cfg.top_k;
     double smax = 0;
-    for (int e = 0; e < E; e++) smax = fmax(smax, fabs(score[e]));
+    for (int e = 0; e < E; e++)
+        if (isfinite(score[e])) smax = fmax(smax, fabs(score[e]));
     const double eps = 1e-4 * (smax + 1e-3);
     for (int j = 0; j + 1 < k; j++)
         if (score[ids[j]] != score[ids[j + 1]] && score[ids[j]] - score[ids[j + 1]] <= eps) return 0;
@@ -382,17 +517,26 @@ typedef struct {
     colibri_routing_t routing;
     int renormalize;
     float scaling;
+    int features;    /* F_* flags; the SWIGLU-only ones are dropped for LINEAR layers */
 } routing_case_t;
 
 static const routing_case_t ROUTING_CASES[] = {
-    {"given ids", GIVEN_IDS, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
-    {"softmax_topk", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
-    {"softmax_topk renorm", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 1.0f},
-    {"topk_softmax scaled", BUILTIN, COLIBRI_ROUTING_TOPK_SOFTMAX, 1, 1.5f},
-    {"sigmoid_bias renorm scaled", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 1, 2.5f},
-    {"sigmoid_bias", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 0, 1.0f},
-    {"custom fn + router", CUSTOM_WITH_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
-    {"custom fn, no router", CUSTOM_WITHOUT_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f},
+    {"given ids", GIVEN_IDS, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f, 0},
+    {"softmax_topk", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f, 0},
+    {"softmax_topk renorm", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 1.0f, 0},
+    {"topk_softmax scaled", BUILTIN, COLIBRI_ROUTING_TOPK_SOFTMAX, 1, 1.5f, 0},
+    {"sigmoid_bias renorm scaled", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 1, 2.5f, 0},
+    {"sigmoid_bias", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 0, 1.0f, 0},
+    {"custom fn + router", CUSTOM_WITH_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f, 0},
+    {"custom fn, no router", CUSTOM_WITHOUT_ROUTER, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f, 0},
+    /* the model families' features */
+    {"groups max + shared (DeepSeek-V2)", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 2.5f, F_GROUPS | F_SHARED},
+    {"sigmoid groups top2 + shared (DeepSeek-V3)", BUILTIN, COLIBRI_ROUTING_SIGMOID_BIAS, 1, 2.5f, F_GROUPS | F_SHARED},
+    {"shared with gate (Qwen2-MoE)", BUILTIN, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f, F_SHARED | F_SHARED_GATE},
+    {"logit bias, oai, expert bias (gpt-oss)", BUILTIN, COLIBRI_ROUTING_TOPK_SOFTMAX, 0, 1.0f,
+     F_LOGIT_BIAS | F_OAI | F_EXPERT_BIAS},
+    {"given ids, expert bias, gated shared", GIVEN_IDS, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f,
+     F_EXPERT_BIAS | F_SHARED | F_SHARED_GATE},
 };
 enum { NUM_ROUTING_CASES = sizeof ROUTING_CASES / sizeof ROUTING_CASES[0] };
 static const int TOKEN_COUNTS[] = {0, 1, 7, 64, 513};
@@ -456,8 +600,8 @@ static void run_case(const layer_t *L, colibri_moe_context_t *ctx, const routing
         int mismatched = 0;
         double wmax = 0, werr = 0;
         for (int t = 0; t < T; t++) {
-            ref_route(L, xd + (size_t)t * H, ref_ids + t * k, ref_w + t * k, score);
-            clear[t] = clear_routing(L, ref_ids + t * k, score);
+            const int groups_clear = ref_route(L, xd + (size_t)t * H, ref_ids + t * k, ref_w + t * k, score);
+            clear[t] = groups_clear && clear_routing(L, ref_ids + t * k, score);
             stats->tokens_compared++;
             if (!clear[t]) {
                 stats->tokens_near_tie++;
@@ -546,9 +690,9 @@ done:
 
 /* Shapes small enough for the float64 reference at T = 513, yet with H and F not multiples of the
  * vector width, and E from 1 to 16. */
-static void random_shape(int *E, int *k, int *H, int *F, int k_equals_E) {
+static void random_shape(int *E, int *k, int *H, int *F, int k_equals_E, int n_group) {
     do {
-        *E = randint(1, 16);
+        *E = n_group > 1 ? n_group * randint(2, 4) : randint(1, 16);
         *k = k_equals_E ? *E : randint(1, *E < 8 ? *E : 8);
         *H = randint(64, 256);
         *F = randint(32, 384);
@@ -565,7 +709,9 @@ static void test_matrix(void) {
         for (int kind = 0; kind < 2; kind++)
             for (int wdi = 0; wdi < 3; wdi++) {
                 int E, k, H, F;
-                random_shape(&E, &k, &H, &F, rci == 2 && kind == 0 && wdi == 0);
+                const int features = kind ? rc->features & ~(F_OAI | F_SHARED | F_SHARED_GATE) : rc->features;
+                const int n_group = features & F_GROUPS ? randint(2, 4) : 0;
+                random_shape(&E, &k, &H, &F, rci == 2 && kind == 0 && wdi == 0, n_group);
                 layer_t L;
                 const int router = rc->source != GIVEN_IDS && rc->source != CUSTOM_WITHOUT_ROUTER;
                 layer_make(&L, (colibri_expert_kind_t)kind, DTYPES[wdi], E, k, H, F, router,
@@ -573,6 +719,7 @@ static void test_matrix(void) {
                 L.cfg.routing = rc->routing;
                 L.cfg.renormalize = rc->renormalize;
                 L.cfg.routed_scaling_factor = rc->scaling;
+                layer_add_features(&L, features, n_group);
                 custom_router_t cr = {E, k, COLIBRI_DTYPE_F32, 0, 0, 0, 0, NULL, 0};
                 if (rc->source == CUSTOM_WITH_ROUTER || rc->source == CUSTOM_WITHOUT_ROUTER) {
                     L.cfg.routing_fn = custom_route;
@@ -623,8 +770,9 @@ static void test_conversions(void) {
         /* every 16-bit pattern as a weight: w * 1 = w, written as fp32 */
         layer_t L;
         memset(&L, 0, sizeof L);
-        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, d, 1, 1, 1, 0x10000, COLIBRI_ROUTING_SOFTMAX_TOPK, 0, 1.0f,
-                                       0, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        L.cfg = (colibri_moe_config_t){.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = d, .num_experts = 1, .top_k = 1,
+                                       .hidden_size = 1, .intermediate_size = 0x10000, .routed_scaling_factor = 1.0f,
+                                       .workspace_tokens = 0, .device = COLIBRI_DEVICE_CPU};
         uint64_t off = 0;
         colibri_moe_context_t *ctx = NULL;
         CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, all, &off, 0x10000, NULL, NULL), COLIBRI_OK);
@@ -639,8 +787,9 @@ static void test_conversions(void) {
 
         /* every pattern as an input activation, through a 1 x 1 fp32 weight of 1: comes back unchanged */
         const float unit = 1.0f;
-        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F32, 1, 1, 1, 1, COLIBRI_ROUTING_SOFTMAX_TOPK, 0,
-                                       1.0f, 4096, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        L.cfg = (colibri_moe_config_t){.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = COLIBRI_DTYPE_F32, .num_experts = 1, .top_k = 1,
+                                       .hidden_size = 1, .intermediate_size = 1, .routed_scaling_factor = 1.0f,
+                                       .workspace_tokens = 4096, .device = COLIBRI_DEVICE_CPU};
         CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, &unit, &off, 1, NULL, NULL), COLIBRI_OK);
         int32_t *ids = calloc(0x10000, sizeof *ids);
         float *wts = malloc(0x10000 * sizeof *wts);
@@ -672,8 +821,9 @@ static void test_conversions(void) {
             vals[n] = nextafterf(mid, signbit(mid) ? -INFINITY : INFINITY), want[n++] = (uint16_t)(h + 1);
         }
         vals[n] = NAN, want[n++] = d == COLIBRI_DTYPE_F16 ? 0x7e00 : 0x7fc0;
-        L.cfg = (colibri_moe_config_t){COLIBRI_EXPERT_LINEAR, COLIBRI_DTYPE_F32, 1, 1, 1, n, COLIBRI_ROUTING_SOFTMAX_TOPK, 0,
-                                       1.0f, 0, COLIBRI_DEVICE_CPU, 0, 0, NULL, NULL};
+        L.cfg = (colibri_moe_config_t){.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = COLIBRI_DTYPE_F32, .num_experts = 1, .top_k = 1,
+                                       .hidden_size = 1, .intermediate_size = n, .routed_scaling_factor = 1.0f,
+                                       .workspace_tokens = 0, .device = COLIBRI_DEVICE_CPU};
         CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, vals, &off, (uint64_t)n, NULL, NULL), COLIBRI_OK);
         uint16_t x_one[2], *got = malloc((size_t)n * sizeof *got); /* room for an fp32 */
         encode_trunc(x_one, d, 0, 1.0);

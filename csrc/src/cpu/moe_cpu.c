@@ -19,6 +19,7 @@
 #endif
 
 #include "internal.h"
+#include "routing.h"
 
 #if defined(__GNUC__) || defined(__clang__)
 #define ALWAYS_INLINE inline __attribute__((always_inline))
@@ -53,10 +54,13 @@ typedef struct {
     int32_t row0;
 } task_t;
 
+/* Expert e of E' = E + m (m: the shared expert's slices, internal.h) and slot j of k' = k + m per token:
+ * the forward runs over all E' experts and k' slots; routing and the counts see the routed ones. */
 typedef struct {
-    const void *weights;       /* borrowed packed expert weights, weight_dtype */
-    uint64_t *offsets;         /* [E] element offset of each expert (our copy) */
-    uint64_t *counts;          /* [E] (token, expert) assignments over all forwards */
+    const void **base;         /* [E'] expert e's buffer: the borrowed packed weights, or the shared copy */
+    uint64_t *offsets;         /* [E'] element offset of each expert in its buffer */
+    uint64_t *counts;          /* [E'] (token, expert) assignments over all forwards */
+    int32_t experts, slots;    /* E' and k' */
     int nthreads;
     int64_t hp, fp;            /* H and F rounded up to ROW_PAD: row strides of x32/x16 and hidden */
     int bf16_dot;              /* this forward multiplies bf16 x bf16 (see the top of the file) */
@@ -66,8 +70,10 @@ typedef struct {
     uint16_t *x16;             /* [W, hp] input in bf16 (bf16 weights only), zero padding */
     const void **token_rows;   /* [W] x32 + t * hp */
     float *logits;             /* [W, E] router logits */
-    int32_t *ids;              /* [P] routing computed here */
+    int32_t *ids;              /* [P] routing computed here, [W, k] */
     float *weights_tk;         /* [P] */
+    int32_t *slot_ids;         /* [P] with a shared expert: the routed ids and the shared slices, [W, k'] */
+    float *slot_w;             /* [P] their weights */
     int32_t *expert_start;     /* [E + 1] first sorted position of each expert */
     int32_t *cursor;           /* [E] counting-sort scratch */
     int32_t *pair_of;          /* [P] sorted position -> pair index t * k + j */
@@ -85,7 +91,7 @@ typedef struct {
     float *wbuf;               /* [nthreads, ROW_BLOCK * K_CHUNK] converted weight chunk; in a token-lane
                                   projection the phase sums of a tile (PHASES * TILE_ACC vectors) */
     float *tile;               /* [nthreads, P * 2 * ROW_BLOCK] task outputs before the epilogue */
-    float *route_scratch;      /* [nthreads, 2 * E + k] */
+    float *route_scratch;      /* [nthreads, E + k + n_group] */
 } cpu_state_t;
 
 /* ---------------------------------------------------------------------------------------------------
@@ -515,6 +521,9 @@ static void router_logits(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
                 (int)min64(ROW_BLOCK, E - e0), (const void *const *)s->token_rows + t0, 0, min64(TILE_TOKENS, T - t0),
                 s->logits + t0 * E + e0, E, s->wbuf + (int64_t)omp_get_thread_num() * ROW_BLOCK * K_CHUNK);
     }
+    if (ctx->router_logit_bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int32_t e = 0; e < E; e++) s->logits[t * E + e] += ctx->router_logit_bias[e];
 }
 
 /* ids[0..k) = the k largest scores, in descending order, ties to the lower expert id (NaN counts as -inf
@@ -534,45 +543,23 @@ static void top_k(const float *score, int32_t E, int32_t k, int32_t *ids, float 
     }
 }
 
-/* The built-in routings of colibri_routing_t for one token; scratch holds 2 * E + k floats. */
+/* The built-in routing of one token (colibri.h, routing.h); scratch holds E + k + n_group floats. */
 static void route_token(const colibri_moe_config_t *cfg, const float *router_bias, const float *logits,
                         float *scratch, int32_t *ids, float *weights) {
     const int32_t E = cfg->num_experts, k = cfg->top_k;
-    float *prob = scratch, *select = scratch + E, *chosen = scratch + 2 * E;
-    switch (cfg->routing) {
-    case COLIBRI_ROUTING_SOFTMAX_TOPK: {
-        float max = logits[0], sum = 0.0f;
-        for (int32_t e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
-        for (int32_t e = 0; e < E; e++) sum += prob[e] = expf(logits[e] - max);
-        for (int32_t e = 0; e < E; e++) prob[e] /= sum;
-        top_k(prob, E, k, ids, chosen);
-        for (int32_t j = 0; j < k; j++) weights[j] = prob[ids[j]];
-        break;
+    float *select = scratch, *chosen = scratch + E, *group = scratch + E + k;
+    float mx = -INFINITY, sum = 0.0f;
+    if (cfg->routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
+        for (int32_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
+        for (int32_t e = 0; e < E; e++) sum += expf(logits[e] - mx);
     }
-    case COLIBRI_ROUTING_TOPK_SOFTMAX: {
-        top_k(logits, E, k, ids, chosen);
-        float sum = 0.0f;
-        for (int32_t j = 0; j < k; j++) sum += weights[j] = expf(logits[ids[j]] - logits[ids[0]]);
-        for (int32_t j = 0; j < k; j++) weights[j] /= sum;
-        break;
-    }
-    case COLIBRI_ROUTING_SIGMOID_BIAS:
-        for (int32_t e = 0; e < E; e++) {
-            prob[e] = 1.0f / (1.0f + expf(-logits[e]));
-            select[e] = prob[e] + router_bias[e];
-        }
-        top_k(select, E, k, ids, chosen);
-        for (int32_t j = 0; j < k; j++) weights[j] = prob[ids[j]];
-        break;
-    }
-    /* a sum of zero only comes from sigmoids that underflowed; leave those weights at zero */
-    if (cfg->renormalize && cfg->routing != COLIBRI_ROUTING_TOPK_SOFTMAX) {
-        float sum = 0.0f;
-        for (int32_t j = 0; j < k; j++) sum += weights[j];
-        if (sum > 0.0f)
-            for (int32_t j = 0; j < k; j++) weights[j] /= sum;
-    }
-    for (int32_t j = 0; j < k; j++) weights[j] *= cfg->routed_scaling_factor;
+    for (int32_t e = 0; e < E; e++)
+        select[e] = colibri_route_select(cfg->routing, logits[e], colibri_route_prob(cfg->routing, logits[e], mx, sum),
+                                         router_bias, e);
+    if (cfg->n_group > 1) colibri_route_limit_groups(select, E, cfg->n_group, cfg->topk_group, cfg->group_score, group);
+    top_k(select, E, k, ids, chosen);
+    for (int32_t j = 0; j < k; j++) weights[j] = colibri_route_prob(cfg->routing, logits[ids[j]], mx, sum);
+    colibri_route_weights(cfg->routing, cfg->renormalize, cfg->routed_scaling_factor, weights, k);
 }
 
 /* Routing of T tokens into ids/weights ([T, k]): the caller's routing_fn, or the built-in routing from
@@ -597,7 +584,8 @@ static colibri_status_t compute_routing(const colibri_moe_context_t *ctx, cpu_st
     const int32_t E = cfg->num_experts, k = cfg->top_k;
 #pragma omp parallel for num_threads(s->nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++)
-        route_token(cfg, ctx->router_bias, s->logits + t * E, s->route_scratch + (int64_t)omp_get_thread_num() * (2 * E + k),
+        route_token(cfg, ctx->router_bias, s->logits + t * E,
+                    s->route_scratch + (int64_t)omp_get_thread_num() * (E + k + cfg->n_group),
                     ids + t * k, weights + t * k);
     return COLIBRI_OK;
 }
@@ -616,7 +604,8 @@ static int32_t token_lane_count(int32_t n) {
 }
 
 static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const int32_t *ids) {
-    const int32_t E = ctx->cfg.num_experts, k = ctx->cfg.top_k;
+    (void)ctx;
+    const int32_t E = s->experts, k = s->slots;
     const int64_t P = T * k;
     memset(s->cursor, 0, (size_t)E * sizeof *s->cursor);
     for (int64_t p = 0; p < P; p++) s->cursor[ids[p]]++;
@@ -642,10 +631,10 @@ static void group_by_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, in
 
 /* The inputs of every token-lane expert, packed (section 2b) from their bf16 rows: the rows' zero
  * padding fills the padded pairs, and lanes past the expert's last token are zero. */
-static void pack_token_lanes(const colibri_moe_context_t *ctx, cpu_state_t *s) {
+static void pack_token_lanes(cpu_state_t *s) {
     const int64_t pairs = s->hp / 2, M = s->hp / 32;
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
-    for (int32_t e = 0; e < ctx->cfg.num_experts; e++) {
+    for (int32_t e = 0; e < s->experts; e++) {
         const int32_t start = s->expert_start[e], n = s->lane_tokens[e];
         if (n == 0) continue; /* x_packed may not exist at all (no bf16 dot products) */
         uint32_t *dst = s->x_packed + (int64_t)s->lane_vec[e] * pairs * LANES;
@@ -672,20 +661,21 @@ static void project_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int
 #if HAVE_BF16_DOT
     if (lanes > 0) {
         const uint32_t *x = packed + (int64_t)s->lane_vec[e] * (round_up(in, ROW_PAD) / 2 * LANES);
-        project_token_lanes((const uint16_t *)s->weights + w_offset, in, nrows, x, lanes, out, ld, (__m512 *)scratch);
+        project_token_lanes((const uint16_t *)s->base[e] + w_offset, in, nrows, x, lanes, out, ld, (__m512 *)scratch);
     }
 #else
     (void)packed;
 #endif
     if (n > lanes)
-        project(s->weights, ctx->cfg.weight_dtype, w_offset, in, nrows, rows + start + lanes, s->bf16_dot, n - lanes,
+        project(s->base[e], ctx->cfg.weight_dtype, w_offset, in, nrows, rows + start + lanes, s->bf16_dot, n - lanes,
                 out + lanes * ld, ld, scratch);
 }
 
 /* One task per (touched expert, block of ROW_BLOCK of its `rows` output rows); returns how many. */
 static int64_t make_tasks(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t rows) {
+    (void)ctx;
     int64_t n = 0;
-    for (int32_t e = 0; e < ctx->cfg.num_experts; e++) {
+    for (int32_t e = 0; e < s->experts; e++) {
         if (s->expert_start[e + 1] == s->expert_start[e]) continue;
         for (int64_t r0 = 0; r0 < rows; r0 += ROW_BLOCK) s->tasks[n++] = (task_t){e, (int32_t)r0};
     }
@@ -722,15 +712,23 @@ static inline float exp_f32(float x) {
     return x != x ? x : e;
 }
 
-/* g[i] = silu(g[i]) * u[i] = g[i] / (1 + e^-g[i]) * u[i] for i < n: the SwiGLU activation. */
-static void silu_times(float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+/* g[i] = act(g[i], u[i]) for i < n (colibri_activation_t): silu(g) * u = g / (1 + e^-g) * u, or gpt-oss's
+ * clamped form. The clamps are comparisons so that NaN stays NaN, as torch.clamp keeps it. */
+static void activate(float *g, const float *u, int64_t n, colibri_activation_t act, float alpha, float limit) {
+    if (act == COLIBRI_ACTIVATION_SILU) {
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float gc = g[i] > limit ? limit : g[i], uc = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        g[i] = (uc + 1.0f) * (gc / (1.0f + exp_f32(-alpha * gc)));
+    }
 }
 
 /* SWIGLU, first half: hidden[pos, :] = silu(gate x) * up x for every sorted pair position (hidden16 in
  * bf16 for a bf16 x bf16 forward). */
 static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
-    const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
+    const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size, P = (int64_t)ctx->cfg.workspace_tokens * s->slots;
     const int64_t ntasks = make_tasks(ctx, s, F), ld = 2 * ROW_BLOCK;
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; i++) {
@@ -744,8 +742,17 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
         project_expert(ctx, s, e, up, H, nrows, s->x_rows, s->x_packed, tile + ROW_BLOCK, ld, wbuf);
         int64_t packed_at[ROW_BLOCK]; /* where hidden column row0 + r of lane 0 goes in a packed vector (2b) */
         for (int r = 0; r < nrows; r++) packed_at[r] = packed_slot((row0 + r) / 2, s->fp / 32) * LANES * 2 + (row0 + r) % 2;
-        /* all tokens first, then the stores: the tokens' SiLUs are independent and overlap */
-        for (int32_t c = 0; c < n; c++) silu_times(tile + c * ld, tile + c * ld + ROW_BLOCK, nrows);
+        if (ctx->expert_bias) { /* gate and up biases, before the activation */
+            const float *b = ctx->expert_bias + (int64_t)e * ctx->bias_numel + row0;
+            for (int32_t c = 0; c < n; c++)
+                for (int r = 0; r < nrows; r++) tile[c * ld + r] += b[r], tile[c * ld + ROW_BLOCK + r] += b[F + r];
+        }
+        /* the shared expert's slices always take SiLU (colibri.h) */
+        const colibri_activation_t act = e < ctx->cfg.num_experts ? ctx->cfg.activation : COLIBRI_ACTIVATION_SILU;
+        /* all tokens first, then the stores: the tokens' activations are independent and overlap */
+        for (int32_t c = 0; c < n; c++)
+            activate(tile + c * ld, tile + c * ld + ROW_BLOCK, nrows, act, ctx->cfg.activation_alpha,
+                     ctx->cfg.activation_limit);
         for (int32_t c = 0; c < n; c++) {
             const float *g = tile + c * ld;
             const int64_t pos = start + c;
@@ -767,8 +774,10 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
  * each expert (SWIGLU: down over the hidden rows; LINEAR: w over the input rows). */
 static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint64_t skip, int64_t in,
                          const void *const *rows, const uint32_t *packed) {
-    const int64_t out = ctx->out_features, P = (int64_t)ctx->cfg.workspace_tokens * ctx->cfg.top_k;
+    const int64_t out = ctx->out_features, P = (int64_t)ctx->cfg.workspace_tokens * s->slots;
     const int64_t ntasks = make_tasks(ctx, s, out);
+    /* the output bias: SWIGLU's down bias follows the gate and up biases */
+    const int64_t bias_at = ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU ? 2 * (int64_t)ctx->cfg.intermediate_size : 0;
 #pragma omp parallel for num_threads(s->nthreads) schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; i++) {
         const int tid = omp_get_thread_num();
@@ -778,6 +787,11 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
         float *tile = s->tile + tid * P * 2 * ROW_BLOCK, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
         project_expert(ctx, s, e, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows, rows, packed, tile, ROW_BLOCK,
                        wbuf);
+        if (ctx->expert_bias) {
+            const float *b = ctx->expert_bias + (int64_t)e * ctx->bias_numel + bias_at + row0;
+            for (int32_t c = 0; c < n; c++)
+                for (int r = 0; r < nrows; r++) tile[c * ROW_BLOCK + r] += b[r];
+        }
         for (int32_t c = 0; c < n; c++)
             memcpy(s->y + s->pair_of[start + c] * out + row0, tile + c * ROW_BLOCK, (size_t)nrows * sizeof(float));
     }
@@ -785,7 +799,7 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
 
 static void expert_ffn(const colibri_moe_context_t *ctx, cpu_state_t *s) {
     const int64_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
-    pack_token_lanes(ctx, s);
+    pack_token_lanes(s);
     if (ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU) {
         swiglu_gate_up(ctx, s);
         project_to_y(ctx, s, (uint64_t)(2 * F * H), F, (const void *const *)s->h_rows, s->h_packed);
@@ -801,7 +815,7 @@ static void expert_ffn(const colibri_moe_context_t *ctx, cpu_state_t *s) {
 /* output[t] = sum_j weights[t, j] * y[t, j], summed in slot order into y[t, 0]. */
 static void combine(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const float *weights,
                     colibri_dtype_t act_dtype, void *output) {
-    const int64_t out = ctx->out_features, k = ctx->cfg.top_k;
+    const int64_t out = ctx->out_features, k = s->slots;
 #pragma omp parallel for num_threads(s->nthreads) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *acc = s->y + t * k * out;
@@ -812,6 +826,26 @@ static void combine(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T,
             for (int64_t o = 0; o < out; o++) acc[o] = fmaf(wj, yj[o], acc[o]);
         }
         store_f32(output, act_dtype, (uint64_t)(t * out), acc, out);
+    }
+}
+
+/* slot_ids / slot_w [T, k'] = each token's k routed ids and weights, then the shared expert's slices
+ * E .. E + m - 1 with weight 1 or sigmoid(shared_gate . x) (x32 holds the input). */
+static void add_shared_slots(const colibri_moe_context_t *ctx, cpu_state_t *s, int64_t T, const int32_t *ids,
+                             const float *weights) {
+    const int32_t E = ctx->cfg.num_experts, k = ctx->cfg.top_k, kk = s->slots;
+    const int64_t H = ctx->cfg.hidden_size;
+#pragma omp parallel for num_threads(s->nthreads) schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float g = 1.0f;
+        if (ctx->shared_gate) {
+            const float *x = s->x32 + t * s->hp;
+            float dot = 0.0f;
+            for (int64_t h = 0; h < H; h++) dot = fmaf(ctx->shared_gate[h], x[h], dot);
+            g = 1.0f / (1.0f + expf(-dot));
+        }
+        for (int32_t j = 0; j < k; j++) s->slot_ids[t * kk + j] = ids[t * k + j], s->slot_w[t * kk + j] = weights[t * k + j];
+        for (int32_t j = k; j < kk; j++) s->slot_ids[t * kk + j] = E + (j - k), s->slot_w[t * kk + j] = g;
     }
 }
 
@@ -831,6 +865,11 @@ static colibri_status_t cpu_forward(colibri_moe_context_t *ctx, int64_t num_toke
         if (st != COLIBRI_OK) return st;
         topk_ids = s->ids;
         topk_weights = s->weights_tk;
+    }
+    if (ctx->shared_experts) {
+        add_shared_slots(ctx, s, num_tokens, topk_ids, topk_weights);
+        topk_ids = s->slot_ids;
+        topk_weights = s->slot_w;
     }
     group_by_expert(ctx, s, num_tokens, topk_ids);
     expert_ffn(ctx, s);
@@ -863,6 +902,7 @@ static colibri_status_t cpu_take_device_error(colibri_moe_context_t *ctx) {
 static void cpu_destroy(colibri_moe_context_t *ctx) {
     cpu_state_t *s = (cpu_state_t *)ctx->backend;
     if (!s) return;
+    free(s->base);
     free(s->offsets);
     free(s->counts);
     free(s->x32);
@@ -871,6 +911,8 @@ static void cpu_destroy(colibri_moe_context_t *ctx) {
     free(s->logits);
     free(s->ids);
     free(s->weights_tk);
+    free(s->slot_ids);
+    free(s->slot_w);
     free(s->expert_start);
     free(s->cursor);
     free(s->pair_of);
@@ -912,16 +954,18 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
     if (!s) return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the CPU backend state");
     ctx->backend = s;
     if (cfg->workspace_tokens == 0) cfg->workspace_tokens = DEFAULT_WORKSPACE_TOKENS;
-    s->weights = expert_weights;
     s->nthreads = cfg->num_threads > 0 ? cfg->num_threads : omp_get_max_threads();
     s->hp = round_up(cfg->hidden_size, ROW_PAD);
     s->fp = round_up(cfg->intermediate_size, ROW_PAD);
 
-    const int64_t E = cfg->num_experts, k = cfg->top_k, W = cfg->workspace_tokens, P = W * k;
+    s->experts = colibri_all_experts(ctx);
+    s->slots = cfg->top_k + ctx->shared_experts;
+    const int64_t E = s->experts, k = s->slots, W = cfg->workspace_tokens, P = W * k;
     const int64_t H = cfg->hidden_size, F = cfg->intermediate_size, max_rows = H > F ? H : F;
     const int swiglu = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU;
     const int bf16_dot_possible = HAVE_BF16_DOT && cfg->weight_dtype == COLIBRI_DTYPE_BF16;
     int failed = 0;
+    s->base = alloc_zeroed(E, 1, sizeof *s->base, &failed);
     s->offsets = alloc_zeroed(E, 1, sizeof *s->offsets, &failed);
     s->counts = alloc_zeroed(E, 1, sizeof *s->counts, &failed);
     s->x32 = alloc_zeroed(W, s->hp, sizeof(float), &failed);
@@ -930,6 +974,8 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
     s->logits = alloc_zeroed(W, E, sizeof(float), &failed);
     s->ids = alloc_zeroed(P, 1, sizeof *s->ids, &failed);
     s->weights_tk = alloc_zeroed(P, 1, sizeof(float), &failed);
+    s->slot_ids = ctx->shared_experts ? alloc_zeroed(P, 1, sizeof *s->slot_ids, &failed) : NULL;
+    s->slot_w = ctx->shared_experts ? alloc_zeroed(P, 1, sizeof(float), &failed) : NULL;
     s->expert_start = alloc_zeroed(E + 1, 1, sizeof *s->expert_start, &failed);
     s->cursor = alloc_zeroed(E, 1, sizeof *s->cursor, &failed);
     s->pair_of = alloc_zeroed(P, 1, sizeof *s->pair_of, &failed);
@@ -947,7 +993,7 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
     s->tasks = alloc_zeroed(E, (max_rows + ROW_BLOCK - 1) / ROW_BLOCK, sizeof *s->tasks, &failed);
     s->wbuf = alloc_zeroed(s->nthreads, ROW_BLOCK * K_CHUNK, sizeof(float), &failed);
     s->tile = alloc_zeroed((int64_t)s->nthreads * P, 2 * ROW_BLOCK, sizeof(float), &failed);
-    s->route_scratch = alloc_zeroed(s->nthreads, 2 * E + k, sizeof(float), &failed);
+    s->route_scratch = alloc_zeroed(s->nthreads, cfg->num_experts + cfg->top_k + cfg->n_group, sizeof(float), &failed);
     if (failed || P > INT32_MAX) {
         cpu_destroy(ctx);
         return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY,
@@ -955,7 +1001,11 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
                                  "lower config.workspace_tokens",
                                  (long long)W, (long long)H, (long long)F, (long long)k);
     }
-    memcpy(s->offsets, expert_offsets, (size_t)E * sizeof *s->offsets);
+    for (int32_t e = 0; e < E; e++) {
+        const int routed = e < cfg->num_experts;
+        s->base[e] = routed ? expert_weights : ctx->shared_packed;
+        s->offsets[e] = routed ? expert_offsets[e] : (uint64_t)(e - cfg->num_experts) * ctx->expert_numel;
+    }
     for (int64_t t = 0; t < W; t++) s->token_rows[t] = s->x32 + t * s->hp;
     return COLIBRI_OK;
 }
