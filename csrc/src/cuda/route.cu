@@ -12,16 +12,12 @@
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "permute.cuh"
+#include "routing.h"
 
-/* Selection order: higher score first, ties to the lower id. NaN scores rank last, like -inf. */
-__device__ __forceinline__ bool ranks_before(float s, int e, float best_s, int best_e) {
-    return s > best_s || (s == best_s && e < best_e);
-}
-
+/* The selection score of routing.h; only SIGMOID_BIAS selects on p, which needs no softmax sums. */
 __device__ __forceinline__ float selection_score(colibri_routing_t routing, float logit, const float *bias, int e) {
-    float s = logit;
-    if (routing == COLIBRI_ROUTING_SIGMOID_BIAS) s = 1.0f / (1.0f + expf(-logit)) + bias[e];
-    return isnan(s) ? -INFINITY : s;
+    const float p = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? colibri_route_prob(routing, logit, 0.0f, 1.0f) : logit;
+    return colibri_route_select(routing, logit, p, bias, e);
 }
 
 struct TopkArgs {
@@ -45,13 +41,6 @@ template <class F> __device__ __forceinline__ void for_lane_logits(const float (
     for (int i = 0; i < TOPK_REG; i++)
         if (lane + 32 * i < E) f(v[i], lane + 32 * i);
     for (int e = lane + 32 * TOPK_REG; e < E; e += 32) f(__ldcg(l + e), e);
-}
-
-/* A pick's weight before any normalisation, from its logit (mx, sum: the softmax's max and sum). */
-__device__ __forceinline__ float topk_raw_weight(colibri_routing_t routing, float lg, float mx, float sum) {
-    return routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? expf(lg - mx) / sum
-           : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0f / (1.0f + expf(-lg))
-                                                     : lg;
 }
 
 /* One warp, one token, E > TOPK_RANK_MAX_E: pick k times the best score ranked after the previous pick
@@ -85,37 +74,24 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         for_lane_logits(v, l, E, lane, [&](float x, int e) {
             const float s = selection_score(routing, x, p.bias, e);
             const bool after_prev = s < prev_s || (s == prev_s && e > prev_e);
-            if (after_prev && ranks_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
+            if (after_prev && colibri_route_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
         });
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) {
             const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
             const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
             const float ol = __shfl_xor_sync(0xffffffffu, best_l, off);
-            if (ranks_before(os, oe, best_s, best_e)) { best_s = os; best_e = oe; best_l = ol; }
+            if (colibri_route_before(os, oe, best_s, best_e)) { best_s = os; best_e = oe; best_l = ol; }
         }
         prev_s = best_s;
         prev_e = best_e;
         if (lane == 0) {
             const float lg = best_l;
             ids_t[j] = best_e;
-            w_t[j] = topk_raw_weight(routing, lg, mx, sum);
+            w_t[j] = colibri_route_prob(routing, lg, mx, sum);
         }
     }
-    if (lane != 0) return;
-    float norm = 1.0f;
-    if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
-        /* ids come out in descending logit order, so the first is the max */
-        const float m = w_t[0];
-        float s = 0.0f;
-        for (int j = 0; j < k; j++) { w_t[j] = expf(w_t[j] - m); s += w_t[j]; }
-        norm = s;
-    } else if (p.renormalize) {
-        float s = 0.0f;
-        for (int j = 0; j < k; j++) s += w_t[j];
-        norm = s;
-    }
-    for (int j = 0; j < k; j++) w_t[j] = w_t[j] / norm * p.scale;
+    if (lane == 0) colibri_route_weights(routing, p.renormalize, p.scale, w_t, k);
 }
 
 /* The warp top-k below serves E <= 64: a lane holds experts lane and lane + 32. */
@@ -166,7 +142,7 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
             if (lane == __ffs(b1) - 1) { r1 = j; q1 = 0u; }
         }
     }
-    float w0 = topk_raw_weight(routing, x0, mx, sum), w1 = topk_raw_weight(routing, x1, mx, sum);
+    float w0 = colibri_route_prob(routing, x0, mx, sum), w1 = colibri_route_prob(routing, x1, mx, sum);
     /* pick j's value, from whichever lane holds rank j */
     auto pick = [&](int j, float v0, float v1) {
         const unsigned m = __ballot_sync(0xffffffffu, r0 == j || r1 == j);
@@ -181,7 +157,7 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
     if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX || p.renormalize) {
         float s = 0.0f;
         for (int j = 0; j < k; j++) s += pick(j, w0, w1);
-        norm = s;
+        if (s > 0.0f) norm = s; /* as colibri_route_weights */
     }
     int32_t *ids_t = p.ids + (size_t)t * k;
     float *w_t = p.wts + (size_t)t * k;
