@@ -40,7 +40,11 @@ class Config(ctypes.Structure):
         "expert_kind", "weight_dtype", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",
         "renormalize")] + [("routed_scaling_factor", ctypes.c_float)] + [
         (name, ctypes.c_int32) for name in ("workspace_tokens", "device", "device_id", "num_threads")] + [
-        ("routing_fn", ctypes.c_void_p), ("routing_user_data", ctypes.c_void_p)]
+        ("routing_fn", ctypes.c_void_p), ("routing_user_data", ctypes.c_void_p)] + [
+        # colibri.h's appended fields, left zero (a library older than them reads only its own prefix)
+        (name, ctypes.c_int32) for name in ("n_group", "topk_group", "group_score", "activation")] + [
+        ("activation_alpha", ctypes.c_float), ("activation_limit", ctypes.c_float)] + [
+        (name, ctypes.c_int32) for name in ("expert_bias", "shared_intermediate_size", "shared_gate")]
 
 
 def load_lib(path):
