@@ -291,7 +291,7 @@ def test_cuda_layer_without_gpu_is_refused(rng):
     with pytest.raises(colibri.ColibriError) as info:
         colibri.MoELayer(config, experts, router, device="cuda")
     assert info.value.status in (colibri.STATUS_UNSUPPORTED, colibri.STATUS_CUDA)
-    assert "colibri_moe_context_init" in str(info.value)
+    assert "colibri_moe_context_create" in str(info.value) or "colibri_moe_context_init" in str(info.value)
 
 
 def test_bf16_output_round_trip(rng):
