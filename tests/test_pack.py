@@ -277,7 +277,7 @@ def test_gpt_oss_mxfp4_refused(tmp_path):
                base + "experts.gate_up_proj_scales": np.zeros((E, 2 * F, H // 32), np.uint8)}
     src = write_hf(tmp_path / "oss", tensors, {"model_type": "gpt_oss", "num_local_experts": E, "intermediate_size": F,
                                                "hidden_size": H, "num_experts_per_tok": 2}, shards=1)
-    with pytest.raises(colibri.ColibriError, match="MXFP4-quantised experts are not dequantised by pack"):
+    with pytest.raises(colibri.ColibriError, match="config.json has no quantization_config with quant_method .mxfp4."):
         pack(src, tmp_path / "x.colibri.safetensors", progress=False)
 
 

@@ -20,14 +20,20 @@ layer computes what transformers' MoE block of that family computes:
     gpt-oss                  gpt_oss       logits + router bias, top-k then softmax; clamped SwiGLU
                                            (swiglu_alpha, swiglu_limit) with expert biases
 
+gpt-oss's MXFP4-quantised experts (the released checkpoints: `*_blocks`/`*_scales` tensors, config.json
+quantization_config quant_method "mxfp4") are, for now, dequantised by pack to bf16, exactly as
+transformers' dequantisation does (every MXFP4 value is exact in bf16), and packed as bf16 experts;
+the packed file's metadata says so (source_quantization). Colibri does not compute in MXFP4.
+
 Refused, naming the reason: PhiMoE (sparsemixer routing is not implemented), Kimi-K2 (transformers
-has no kimi_k2 to check it against), MXFP4-quantised gpt-oss experts (`*_blocks`/`*_scales`: not
-dequantised here; dequantise to bf16 first), any tensor in an MoE block that the family does not
-explain (a bias, a quantisation scale), a dense layer, and any other model_type or a folder without
-config.json. `unverified_routing=True` (`--unverified-routing`) lets through an unknown model_type (a
-family named by config.json's `architectures`, else the generic reading below) and the overrides of
-top_k, routing, renormalize and routed_scaling_factor, each of which may make the layer compute
-something other than the model.
+has no kimi_k2 to check it against), any other quantization_config (quant_method other than mxfp4,
+or mxfp4 outside gpt-oss: dequantise first), MXFP4 blocks with E8M0's NaN scale (255) or a value
+beyond bf16's range, any tensor in an MoE block that the family does not explain (a bias, a
+quantisation scale), a dense layer, and any other model_type or a folder without config.json.
+`unverified_routing=True` (`--unverified-routing`) lets through an unknown model_type (a family named
+by config.json's `architectures`, else the generic reading below) and the overrides of top_k, routing,
+renormalize and routed_scaling_factor, each of which may make the layer compute something other than
+the model.
 
 Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `mlp`):
 
@@ -39,6 +45,8 @@ Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `
     gpt-oss        experts.gate_up_proj [E,H,2F] with gate and up interleaved (gate = [..., ::2],
                    up = [..., 1::2]), gate_up_proj_bias [E,2F], down_proj [E,F,H], down_proj_bias
                    [E,H]: de-interleaved and transposed into gate [F,H], up [F,H], down [H,F]
+    gpt-oss MXFP4  experts.gate_up_proj_blocks / _scales and down_proj_blocks / _scales in place of
+                   gate_up_proj and down_proj, the biases as above (layout: see MXFP4 below)
 
 `verify=True` (`--verify`, needs torch and transformers) builds the family's MoE block with
 transformers from config.json and the source tensors and compares it, in fp32 on random tokens, with
@@ -183,6 +191,7 @@ class _Plan:
     router: str = "gate"             # the router module's name in the block
     correction_bias: bool = False    # gate.e_score_correction_bias -> router_bias
     gpt_oss: bool = False            # gpt-oss expert layout, router bias and expert biases
+    quantization: str = None         # config.json quantization_config's quant_method, where accepted
     blocks: tuple = ("mlp",)
     moe_layers: object = None        # layer index -> whether it is an MoE layer (None: unknown)
     dense_rule: str = ""             # the config fields moe_layers follows, for messages
@@ -429,6 +438,7 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
         plan = FAMILIES[family](_resolve_aliases(hf, family)) if family else _generic(hf, overrides)
         plan = dataclasses.replace(plan, family=f"{plan.family} (unverified: model_type {model_type!r})")
     plan.num_layers, plan.hidden_size = hf.get("num_hidden_layers"), hf.get("hidden_size")
+    plan.quantization = _quantization(hf, plan)
     if overrides["top_k"] is not None:
         plan.top_k = overrides["top_k"]
     if overrides["routing"] is not None:
@@ -438,6 +448,84 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
     if overrides["routed_scaling_factor"] is not None:
         plan.routed_scaling_factor = overrides["routed_scaling_factor"]
     return plan
+
+
+def _quantization(hf, plan: _Plan):
+    """config.json's quantization_config quant_method when pack can read it ('mxfp4' for gpt-oss),
+    None without one; refuses any other."""
+    config = hf.get("quantization_config")
+    if config is None:
+        return None
+    method = config.get("quant_method") if isinstance(config, dict) else None
+    if method == "mxfp4" and plan.gpt_oss:
+        return method
+    where = "outside gpt-oss " if method == "mxfp4" else ""
+    raise _fail(f"config.json quantization_config quant_method={method!r} {where}is not read by pack (it reads "
+                "fp32, fp16 and bf16 weights, and gpt-oss's MXFP4 experts); dequantise the checkpoint first")
+
+
+# ---------------------------------------------------------------------------------------------------
+# MXFP4 (OCP Microscaling FP4), as gpt-oss ships its experts; read from transformers 5.25's
+# integrations/mxfp4.py (convert_moe_packed_tensors) and its quantizer's serialized names.
+#
+# A projection with `rows` outputs and `cols` inputs is stored per expert as
+#   <proj>_blocks [E, rows, cols/32, 16] uint8: blocks of 32 consecutive inputs; byte j of a block
+#                 holds input 2j in its low nibble and input 2j+1 in its high nibble;
+#   <proj>_scales [E, rows, cols/32]     uint8: one E8M0 exponent s per block, the factor 2^(s-127).
+# A nibble is an FP4 E2M1 code: bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+# gate_up_proj has rows = 2F (gate and up interleaved: even rows gate, odd rows up) and cols = H;
+# down_proj has rows = H and cols = F. transformers transposes the dequantised [E, rows, cols] into
+# its bf16 layouts [E, H, 2F] and [E, F, H]; pack wants [outputs, inputs] rows, so it keeps them.
+#
+# Every value is code * 2^(s-127) with at most two significant bits and magnitude >= 2^-128, so it
+# is exact in float32 and in bf16 (whose subnormals reach 2^-133) unless it exceeds their range
+# (s >= 253): refused, as is s = 255, E8M0's NaN, which transformers reads as 2^128 instead.
+
+MXFP4_BLOCK = 32
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+# byte -> its two values (low nibble first), so one gather decodes a block.
+_FP4_PAIRS = np.stack([FP4_E2M1[np.arange(256) & 0x0F], FP4_E2M1[np.arange(256) >> 4]], axis=-1)
+# E8M0 code -> 2^(code-127) in float32 (2^-127 is a float32 subnormal: exact); 255 is refused.
+_E8M0 = np.ldexp(np.float32(1.0), np.arange(255) - 127).astype(np.float32)
+
+
+def dequantize_mxfp4(blocks, scales, name="MXFP4 tensor") -> np.ndarray:
+    """MXFP4 blocks [..., G, 16] and scales [..., G] (uint8) -> their values [..., 32G] in float32,
+    inputs in order (not transposed). Raises ColibriError on a NaN scale or a value beyond bf16."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[-1:] != (MXFP4_BLOCK // 2,) \
+            or blocks.shape[:-1] != scales.shape:
+        raise _fail(f"{name}: MXFP4 blocks {list(blocks.shape)} {blocks.dtype} and scales {list(scales.shape)} "
+                    f"{scales.dtype} do not match (expected uint8 [..., G, 16] and [..., G])")
+    if (scales == 255).any():
+        raise _fail(f"{name}: an E8M0 scale of 255 (NaN in the MX format; transformers reads it as 2^128): "
+                    "refused rather than guessed")
+    values = np.take(_FP4_PAIRS, blocks, axis=0).reshape(*scales.shape, MXFP4_BLOCK)
+    with np.errstate(over="ignore"):
+        values *= _E8M0[scales][..., None]
+    if not np.isfinite(values).all():
+        raise _fail(f"{name}: an MXFP4 value beyond bf16's range (scale {int(scales.max())}): refused")
+    return values.reshape(*scales.shape[:-1], scales.shape[-1] * MXFP4_BLOCK)
+
+
+def _exact_bf16(values: np.ndarray, name) -> np.ndarray:
+    """float32 values that bf16 holds exactly -> their bf16 bits (the top half: no rounding to do)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+    if (bits & 0xFFFF).any():
+        raise _fail(f"{name}: a dequantised MXFP4 value is not exact in bf16")  # cannot happen, see above
+    return (bits >> 16).astype(np.uint16)
+
+
+def _expect_mxfp4(source, prefix, E, rows, cols) -> None:
+    """Checks prefix_blocks / prefix_scales hold an [E, rows, cols] projection."""
+    if cols % MXFP4_BLOCK:
+        raise _fail(f"{prefix}_blocks: {cols} inputs are not a whole number of {MXFP4_BLOCK}-value MXFP4 blocks")
+    _expect_shape(source, prefix + "_blocks", (E, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2))
+    _expect_shape(source, prefix + "_scales", (E, rows, cols // MXFP4_BLOCK))
+    for suffix in ("_blocks", "_scales"):
+        if source.info(prefix + suffix).dtype != "U8":
+            raise _fail(f"{prefix}{suffix}: dtype {source.info(prefix + suffix).dtype}, MXFP4 is stored as U8")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -534,7 +622,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
         if value is not None and value != what:
             raise _fail(f"config.json gives {key}={value} but {router} has shape {list(shape)}")
     if plan.gpt_oss:
-        layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size)
+        layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size, plan.quantization)
     else:
         layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router)
     layer.used.add(router)
@@ -608,19 +696,35 @@ def _locate_swiglu(source, base, E, H, F_config, router) -> _Layer:
     return layer
 
 
-def _locate_gpt_oss(source, base, E, H, F) -> _Layer:
+def _locate_gpt_oss(source, base, E, H, F, quantization=None) -> _Layer:
     experts = base + "experts."
-    if experts + "gate_up_proj_blocks" in source:
-        raise _fail(f"{experts}gate_up_proj_blocks: MXFP4-quantised experts are not dequantised by pack; "
-                    "dequantise the checkpoint to bf16 first (transformers: Mxfp4Config(dequantize=True), then "
-                    "save_pretrained)")
     gate_up, down = experts + "gate_up_proj", experts + "down_proj"
     gate_up_bias, down_bias, logit_bias = experts + "gate_up_proj_bias", experts + "down_proj_bias", base + "router.bias"
-    _expect_shape(source, gate_up, (E, H, 2 * F))
-    _expect_shape(source, down, (E, F, H))
+    quantised = [p + "_blocks" in source or p + "_scales" in source for p in (gate_up, down)]
+    if any(quantised) and quantization != "mxfp4":
+        raise _fail(f"{experts}*_blocks / *_scales: MXFP4-quantised experts, but config.json has no "
+                    "quantization_config with quant_method 'mxfp4' saying so; refused rather than guessed")
+    if any(quantised) and not all(quantised):
+        raise _fail(f"{experts}: one of gate_up_proj and down_proj is MXFP4 (_blocks, _scales) and the other is not")
     _expect_shape(source, gate_up_bias, (E, 2 * F))
     _expect_shape(source, down_bias, (E, H))
     _expect_shape(source, logit_bias, (E,))
+    if all(quantised):
+        _expect_mxfp4(source, gate_up, E, 2 * F, H)
+        _expect_mxfp4(source, down, E, H, F)
+
+        def mxfp4_row(m):
+            # Per expert, so a layer is never dequantised whole; rows are already [outputs, inputs].
+            gu = dequantize_mxfp4(source.get(gate_up + "_blocks")[m], source.get(gate_up + "_scales")[m],
+                                  f"{gate_up}_blocks[{m}]")
+            dn = dequantize_mxfp4(source.get(down + "_blocks")[m], source.get(down + "_scales")[m],
+                                  f"{down}_blocks[{m}]")
+            return [_exact_bf16(gu[0::2], gate_up), _exact_bf16(gu[1::2], gate_up), _exact_bf16(dn, down)]
+        used = {p + s for p in (gate_up, down) for s in ("_blocks", "_scales")}
+        return _Layer(E, H, F, "gpt_oss_mxfp4", "BF16", mxfp4_row, used | {gate_up_bias, down_bias, logit_bias},
+                      bias_row=lambda m: _gpt_oss_bias_row(source, gate_up_bias, down_bias, m), logit_bias=logit_bias)
+    _expect_shape(source, gate_up, (E, H, 2 * F))
+    _expect_shape(source, down, (E, F, H))
     dtype = _check_dtype(source, (gate_up, down), "expert weights")
 
     def row(m):
@@ -629,12 +733,14 @@ def _locate_gpt_oss(source, base, E, H, F) -> _Layer:
         return [np.ascontiguousarray(gu[:, 0::2].T), np.ascontiguousarray(gu[:, 1::2].T),
                 np.ascontiguousarray(source.get(down)[m].T)]
 
-    def bias_row(m):
-        gu = _as_float32(source, gate_up_bias)[m]
-        return np.concatenate([gu[0::2], gu[1::2], _as_float32(source, down_bias)[m]])
     layer = _Layer(E, H, F, "gpt_oss", dtype, row, {gate_up, down, gate_up_bias, down_bias, logit_bias},
-                   bias_row=bias_row, logit_bias=logit_bias)
+                   bias_row=lambda m: _gpt_oss_bias_row(source, gate_up_bias, down_bias, m), logit_bias=logit_bias)
     return layer
+
+
+def _gpt_oss_bias_row(source, gate_up_bias, down_bias, m) -> np.ndarray:
+    gu = _as_float32(source, gate_up_bias)[m]
+    return np.concatenate([gu[0::2], gu[1::2], _as_float32(source, down_bias)[m]])
 
 
 def _as_float32(source, name) -> np.ndarray:
@@ -734,6 +840,8 @@ def _pack_layer(source, plan, index, base, out, dtype, progress, src) -> LayerCo
              "source_family": plan.family}
     if note:
         extra["note"] = note
+    if where.layout == "gpt_oss_mxfp4":
+        extra["source_quantization"] = "mxfp4, dequantised to bf16 by pack (exact)"
     checkpoint.save(
         out, config, experts, _as_float32(source, base + plan.router + ".weight"), bias, extra,
         router_logit_bias=None if where.logit_bias is None else _as_float32(source, where.logit_bias),
@@ -818,6 +926,14 @@ def routing_ties(path, x: np.ndarray, tolerance=1e-5) -> np.ndarray:
             | (reference.group_margin(config, logits, ckpt.router_bias) <= tolerance * scale))
 
 
+def _transformers_mxfp4(source, prefix) -> np.ndarray:
+    """prefix_blocks / prefix_scales dequantised by transformers (float32, its bf16 layout)."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    blocks, scales = (torch.from_numpy(np.array(source.get(prefix + s))) for s in ("_blocks", "_scales"))
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).numpy()
+
+
 def _verify(source, hf, plan, base, path, tokens=64, seed=0):
     family = plan.family
     if family not in BLOCK_CLASSES:
@@ -826,14 +942,19 @@ def _verify(source, hf, plan, base, path, tokens=64, seed=0):
     packed = ckpt.config.weight_dtype
     tensors = {}
     for name in source.where:
-        if name.startswith(base):
-            value = _as_float32(source, name)
+        if name.startswith(base) and not name.endswith("_scales"):
             relative = name[len(base):]
+            if name.endswith("_blocks"):
+                # The check uses transformers' own dequantisation, not pack's.
+                relative = relative[:-len("_blocks")]
+                value = _transformers_mxfp4(source, name[:-len("_blocks")])
+            else:
+                value = _as_float32(source, name)
             is_weight = (relative.startswith("experts.") and not relative.endswith("_bias")) \
                 or relative.startswith(("shared_expert.", "shared_experts."))
             if is_weight and packed != st.SAFETENSORS_TO_COLIBRI.get(source.info(name).dtype):
                 value = to_float32(from_float(value, packed), packed)  # the block sees the packed dtype's values
-            tensors[name[len(base):]] = value
+            tensors[relative] = value
     block = transformers_block(family, hf, tensors)
     x = np.random.default_rng(seed).standard_normal((tokens, ckpt.config.hidden_size)).astype(np.float32)
     keep = ~routing_ties(path, x)
