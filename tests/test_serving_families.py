@@ -1,0 +1,123 @@
+"""A packed layer of real MoE families, served end to end: tiny random DeepSeek-V3 and Qwen2-MoE models
+written by transformers (colibri.testing.families, every MoE option on), one MoE layer packed in fp32,
+served on the CPU by the real tritonserver (one start per family) and asked over HTTP/JSON and gRPC
+with the server's own router. The answers must match the family's own transformers MoE block on the
+same tokens in fp32. Needs tritonserver, torch and transformers (skipped without them)."""
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from colibri.testing.server import missing_reason, serving
+
+pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from colibri import checkpoint  # noqa: E402
+from colibri.pack import block_forward, pack, routing_ties  # noqa: E402
+from colibri.testing.families import H, moe_blocks, write_model  # noqa: E402
+
+MODEL = "colibri_moe"
+TOKENS = 24
+LIMIT = 1e-5  # ||served - transformers|| / ||transformers||, both fp32
+
+# What each served layer must use, so the comparison covers every option the family has
+# (DeepSeek-V3's 48: two shared experts of 24 as one).
+SERVED = {
+    "deepseek_v3": dict(routing="sigmoid_bias", n_group=4, topk_group=2, group_score="top2_sum", renormalize=True,
+                        routed_scaling_factor=2.5, shared_intermediate_size=48, shared_gate=False),
+    "qwen2_moe": dict(routing="softmax_topk", renormalize=True, shared_intermediate_size=40, shared_gate=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SERVED))
+def served(request, tmp_path_factory):
+    """(family, its first MoE block, the packed layer's path, the running Server)."""
+    family = request.param
+    src = tmp_path_factory.mktemp(family)
+    model = write_model(family, src)
+    path = tmp_path_factory.mktemp(f"{family}_packed") / f"{family}.colibri.safetensors"
+    config = pack(src, path, dtype="fp32", progress=False)  # the first MoE layer
+    for field, value in SERVED[family].items():
+        assert getattr(config, field) == value, field
+    assert config.weight_dtype == "fp32"
+    ckpt = checkpoint.load(path)
+    if family == "deepseek_v3":  # e_score_correction_bias, random: its use shows in the routing
+        assert np.abs(ckpt.router_bias).min() > 0
+    index, block = min(moe_blocks(model).items())
+    assert ckpt.metadata["source_layer"] == f"model.layers.{index}.mlp", ckpt.metadata["source_layer"]
+    with serving(path, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", "fp32") as server:
+        yield family, block, path, server
+
+
+def tokens(path, rng, count=TOKENS):
+    """Random fp32 tokens whose routing is clear: at a near-tie fp32 may pick either side."""
+    x = rng.standard_normal((count, H)).astype(np.float32)
+    while (ties := routing_ties(path, x)).any():
+        x[ties] = rng.standard_normal((int(ties.sum()), H)).astype(np.float32)
+    return x
+
+
+def http_infer(url, x):
+    """Over HTTP with JSON bodies both ways (no binary extension)."""
+    tensor = httpclient.InferInput("hidden_states", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=False)
+    output = httpclient.InferRequestedOutput("output", binary_data=False)
+    # Closed at once: tritonserver's shutdown waits up to 30 s for open HTTP connections.
+    with httpclient.InferenceServerClient(url) as client:
+        return client.infer(MODEL, [tensor], outputs=[output]).as_numpy("output")
+
+
+def grpc_infer(url, x):
+    tensor = grpcclient.InferInput("hidden_states", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    with grpcclient.InferenceServerClient(url) as client:
+        return client.infer(MODEL, [tensor]).as_numpy("output")
+
+
+PROTOCOLS = {"http": (http_infer, "http_url", "400"), "grpc": (grpc_infer, "grpc_url", "StatusCode.INVALID_ARGUMENT")}
+
+
+def assert_matches_block(output, block, x, what):
+    expected = block_forward(block, x)
+    output = np.asarray(output)
+    assert output.dtype == np.float32 and output.shape == expected.shape, (output.dtype, output.shape)
+    assert np.isfinite(output).all(), f"{what}: NaN or Inf in the output"
+    error = np.linalg.norm(output.astype(np.float64) - expected) / np.linalg.norm(expected)
+    print(f"{what}: relative error {error:.2e}")
+    assert error < LIMIT, f"{what}: relative error {error:.3g} >= {LIMIT:g}"
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_served_layer_matches_the_family_block(served, protocol, rng):
+    family, block, path, server = served
+    infer, url, _ = PROTOCOLS[protocol]
+    for count in (1, TOKENS):
+        x = tokens(path, rng, count)
+        assert_matches_block(infer(getattr(server, url), x), block, x, f"{family} over {protocol}, T={count}")
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_wrong_hidden_size_is_refused_then_served(served, protocol, rng):
+    family, block, path, server = served
+    infer, url, status = PROTOCOLS[protocol]
+    with pytest.raises(InferenceServerException) as refused:
+        infer(getattr(server, url), rng.standard_normal((3, H + 1)).astype(np.float32))
+    assert refused.value.status() == status, refused.value
+    assert "hidden_states" in refused.value.message(), refused.value
+    x = tokens(path, rng)
+    assert_matches_block(infer(getattr(server, url), x), block, x, f"{family} over {protocol} after a refusal")
+
+
+def test_config_gives_the_packed_dims(served):
+    """auto_complete_config reads the colibri-moe/2 header: the widths clients see are the layer's."""
+    family, _, path, server = served
+    config = checkpoint.read_config(path)
+    metadata = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}"))
+    assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == {
+        "hidden_states": [-1, H], "topk_ids": [-1, config.top_k], "topk_weights": [-1, config.top_k],
+        "output": [-1, H]}
