@@ -33,6 +33,16 @@ SHAPES = [  # name, E, k, H, F, renormalize
     ("Qwen1.5-MoE", 60, 4, 2048, 1408, 0),
 ]
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+# The model families' layers: each row's features beyond softmax top-k (colibri.h), timed like the rows
+# above. DeepSeek-V3: sigmoid scores with a selection bias, 8 groups of which 4 kept by their top-2 sums,
+# renormalised x 2.5, one shared expert. gpt-oss-120b: a router logit bias, top-k then softmax, expert
+# biases and the clamped SwiGLU.
+FAMILY_SHAPES = {
+    "DeepSeek-V3": dict(E=256, k=8, H=7168, F=2048, routing=2, n_group=8, topk_group=4, renorm=1, scale=2.5,
+                        shared_F=2048),
+    "gpt-oss-120b": dict(E=128, k=4, H=2880, F=2880, routing=1, renorm=0, scale=1.0, logit_bias=True,
+                         expert_bias=True, alpha=1.702, limit=7.0),
+}
 
 
 class Config(ctypes.Structure):
@@ -47,8 +57,18 @@ class Config(ctypes.Structure):
         (name, ctypes.c_int32) for name in ("expert_bias", "shared_intermediate_size", "shared_gate")]
 
 
+class Weights(ctypes.Structure):
+    _fields_ = [("expert_weights", ctypes.c_void_p), ("expert_offsets", ctypes.POINTER(ctypes.c_uint64)),
+                ("expert_weights_numel", ctypes.c_uint64)] + [
+        (name, ctypes.c_void_p) for name in ("expert_bias", "router_weight", "router_logit_bias", "router_bias",
+                                             "shared_weights", "shared_gate_weight")]
+
+
 def load_lib(path):
     lib = ctypes.CDLL(path)
+    if hasattr(lib, "colibri_moe_context_create"):
+        lib.colibri_moe_context_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(Config),
+                                                   ctypes.POINTER(Weights)]
     lib.colibri_moe_context_init.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(Config), ctypes.c_void_p,
                                              ctypes.POINTER(ctypes.c_uint64), ctypes.c_uint64, ctypes.c_void_p,
                                              ctypes.c_void_p]
@@ -266,12 +286,167 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
                 l.colibri_moe_context_destroy(ctxs[label])
 
 
+def family_layer(spec):
+    """A family row's bf16 experts and shared expert, fp32 router and biases, seed 0, on the GPU (drawn in
+    bf16 and scaled in place: DeepSeek-V3's experts are 22.5 GB)."""
+    torch.manual_seed(0)
+    E, H, F, dt = spec["E"], spec["H"], spec["F"], torch.bfloat16
+
+    def draw(*shape, fan_in):
+        return torch.randn(*shape, device="cuda", dtype=dt).mul_(fan_in ** -0.5)
+    L = dict(w1=draw(E, F, H, fan_in=H), w3=draw(E, F, H, fan_in=H), w2=draw(E, H, F, fan_in=F),
+             router=torch.randn(E, H, device="cuda") / H ** 0.5)
+    if spec["routing"] == 2:
+        L["sel_bias"] = 0.1 * torch.randn(E, device="cuda")
+    if spec.get("logit_bias"):
+        L["logit_bias"] = 0.5 * torch.randn(E, device="cuda")
+    if spec.get("expert_bias"):  # bf16 as the checkpoint ships them; colibri takes them as fp32
+        for key, n in (("b1", F), ("b3", F), ("b2", H)):
+            L[key] = (0.1 * torch.randn(E, n, device="cuda")).to(dt)
+    if spec.get("shared_F"):
+        Fs = spec["shared_F"]
+        L["s1"], L["s3"], L["s2"] = draw(Fs, H, fan_in=H), draw(Fs, H, fan_in=H), draw(H, Fs, fan_in=Fs)
+    return L
+
+
+def family_route(x, L, spec):
+    """The family's routing in torch, as its transformers block computes it: (weights [T, k], ids [T, k])."""
+    E, k = spec["E"], spec["k"]
+    logits = x.float() @ L["router"].T
+    if "logit_bias" in L:
+        logits = logits + L["logit_bias"]
+    if spec["routing"] == 1:  # gpt-oss: top-k of the logits, softmax over them
+        top, ids = torch.topk(logits, k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    scores = logits.sigmoid()
+    choice = scores + L["sel_bias"]
+    G = spec["n_group"]
+    group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros_like(group).scatter_(1, torch.topk(group, spec["topk_group"], dim=-1)[1], 1).bool()
+    choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    ids = torch.topk(choice, k, dim=-1)[1]
+    w = scores.gather(1, ids)
+    if spec["renorm"]:
+        w = w / w.sum(-1, keepdim=True)
+    return w * spec["scale"], ids
+
+
+def family_act(g, u, spec):
+    if "alpha" in spec:  # gpt-oss's clamped SwiGLU
+        g, u = g.clamp(max=spec["limit"]), u.clamp(-spec["limit"], spec["limit"])
+        return (u + 1) * g * torch.sigmoid(g * spec["alpha"])
+    return Fn.silu(g) * u
+
+
+def family_shared(x, L):
+    return (Fn.silu(x @ L["s1"].T) * (x @ L["s3"].T)) @ L["s2"].T if "s1" in L else 0
+
+
+def family_eager(x, L, spec):
+    """The transformers loop over experts, with the family's routing, biases, activation and shared expert."""
+    w, ids = family_route(x, L, spec)
+    out = torch.zeros_like(x)
+    mask = Fn.one_hot(ids, num_classes=spec["E"]).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        xs = x[tok]
+        g, u = xs @ L["w1"][e].T, xs @ L["w3"][e].T
+        if "b1" in L:
+            g, u = g + L["b1"][e], u + L["b3"][e]
+        y = family_act(g, u, spec) @ L["w2"][e].T
+        if "b2" in L:
+            y = y + L["b2"][e]
+        out.index_add_(0, tok, y * w[tok, slot, None].to(x.dtype))
+    return out + family_shared(x, L)
+
+
+def family_grouped(x, L, spec, w1t, w3t, w2t):
+    """Tokens sorted by expert, torch._grouped_mm per projection, biases gathered by each row's expert."""
+    k = spec["k"]
+    w, ids = family_route(x, L, spec)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=spec["E"]), 0).to(torch.int32)
+    xs, expert = x[order // k], flat[order]
+    g, u = torch._grouped_mm(xs, w1t, offs=offs), torch._grouped_mm(xs, w3t, offs=offs)
+    if "b1" in L:
+        g, u = g + L["b1"][expert], u + L["b3"][expert]
+    y = torch._grouped_mm(family_act(g, u, spec), w2t, offs=offs)
+    if "b2" in L:
+        y = y + L["b2"][expert]
+    out = torch.zeros_like(x)
+    out.index_add_(0, order // k, y * w.flatten()[order, None].to(x.dtype))
+    return out + family_shared(x, L)
+
+
+def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
+    """One family row per T (this build only: builds before colibri_moe_context_create cannot run them)."""
+    spec = FAMILY_SHAPES[name]
+    E, k, H, F, Fs = spec["E"], spec["k"], spec["H"], spec["F"], spec.get("shared_F", 0)
+    if not hasattr(lib, "colibri_moe_context_create"):
+        print(f"{name}: skipped (this library has no colibri_moe_context_create)")
+        return
+    L = family_layer(spec)
+    packed = torch.empty(E, 3 * H * F, dtype=torch.bfloat16)  # host, one expert at a time
+    for e in range(E):
+        packed[e] = torch.cat([L["w1"][e].flatten(), L["w3"][e].flatten(), L["w2"][e].flatten()]).cpu()
+    offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
+    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias") if key in L}
+    if "b1" in L:
+        host["bias"] = torch.cat([L["b1"], L["b3"], L["b2"]], dim=1).float().cpu().contiguous()
+    if Fs:
+        host["shared"] = torch.cat([L["s1"].flatten(), L["s3"].flatten(), L["s2"].flatten()]).cpu()
+    cfg = Config(expert_kind=0, weight_dtype=2, num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
+                 routing=spec["routing"], renormalize=spec["renorm"], routed_scaling_factor=spec["scale"],
+                 device=1, n_group=spec.get("n_group", 0), topk_group=spec.get("topk_group", 0), group_score=1,
+                 activation=1 if "alpha" in spec else 0, activation_alpha=spec.get("alpha", 0.0),
+                 activation_limit=spec.get("limit", 0.0), expert_bias=int("bias" in host), shared_intermediate_size=Fs)
+    ptr = lambda key: host[key].data_ptr() if key in host else None  # noqa: E731
+    weights = Weights(packed.data_ptr(), offsets, packed.numel(), ptr("bias"), ptr("router"), ptr("logit_bias"),
+                      ptr("sel_bias"), ptr("shared"), None)
+    ctx = ctypes.c_void_p()
+    status = lib.colibri_moe_context_create(ctypes.byref(ctx), ctypes.byref(cfg), ctypes.byref(weights))
+    del packed  # 22.5 GB of host memory for DeepSeek-V3; the context has its copy
+    if status != 0:
+        print(f"{name}: skipped ({lib.colibri_last_error().decode()})")
+        return
+    w1t, w3t, w2t = L["w1"].transpose(1, 2), L["w3"].transpose(1, 2), L["w2"].transpose(1, 2)
+    expert_bytes = 3 * H * F * 2
+    try:
+        for T in tokens:
+            x = row_tokens(T, H)
+            out = torch.empty_like(x)
+            ref = family_eager(x, L, spec)
+            graph = capture(lib, ctx, T, x, out)
+            rel_err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            t_col = timer(graph.replay)
+            t_eager = timer(lambda: family_eager(x, L, spec))
+            try:
+                t_grouped = timer(lambda: family_grouped(x, L, spec, w1t, w3t, w2t))
+            except RuntimeError as err:
+                print(f"  torch._grouped_mm failed: {err}", file=sys.stderr)
+                t_grouped = float("nan")
+            counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
+            touched = int((counts > 0).sum())
+            nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
+            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
+            floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
+            rows.append(dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, colibri_ms=t_col, eager_ms=t_eager,
+                             grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
+                             speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
+                             experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist()))
+            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {t_eager / t_col:7.2f} "
+                  f"{t_grouped / t_col:7.2f} {floor_ms:8.3f} {floor_ms / t_col:6.2f} {rel_err:8.1e}", flush=True)
+    finally:
+        lib.colibri_moe_context_destroy(ctx)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lib", default="build/libcolibri.so")
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join([s[0] for s in SHAPES] + list(FAMILY_SHAPES)))
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,4,16")
     ap.add_argument("--flush", choices=("zero", "read"), default="zero",
@@ -291,6 +466,10 @@ def main():
         if shape[0] in wanted:
             bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows,
                         tokens=[int(t) for t in args.tokens.split(",") if t])
+            torch.cuda.empty_cache()
+    for name in FAMILY_SHAPES:
+        if name in wanted:
+            bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=[int(t) for t in args.tokens.split(",") if t])
             torch.cuda.empty_cache()
     run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate, reps=args.reps,
                flush=args.flush, rows=rows)
