@@ -44,23 +44,24 @@ def server(colibri_server):
 
 
 def grpc_infer(url, inputs):
-    client = grpcclient.InferenceServerClient(url)
     tensors = []
     for name, array, datatype in inputs:
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
-    return client.infer(MODEL, tensors).as_numpy("output")
+    # closed at once: tritonserver's shutdown waits (up to 30 s) for open client connections
+    with grpcclient.InferenceServerClient(url) as client:
+        return client.infer(MODEL, tensors).as_numpy("output")
 
 
 def http_infer(url, inputs):
-    client = httpclient.InferenceServerClient(url)
     tensors = []
     for name, array, datatype in inputs:
         tensor = httpclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)  # binary: JSON cannot carry NaN or Inf
         tensors.append(tensor)
-    return client.infer(MODEL, tensors).as_numpy("output")
+    with httpclient.InferenceServerClient(url) as client:
+        return client.infer(MODEL, tensors).as_numpy("output")
 
 
 def good_request(layer, rng, tokens=TOKENS, explicit=True):
