@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                                         "python -m colibri pack --help)",
                           description="Packs MoE layers of a Hugging Face model whose config.json names a family "
                                       "pack knows: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, "
-                                      "glm4_moe, gpt_oss. Anything else is refused unless --unverified-routing.")
+                                      "glm4_moe, gpt_oss (its MXFP4 experts are dequantised to bf16, exactly). "
+                                      "Anything else is refused unless --unverified-routing.")
     pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
     pack.add_argument("--out", required=True, help="output *.colibri.safetensors (with --layer all: a folder, "
                                                    "written with layer{N}.colibri.safetensors)")
