@@ -2,7 +2,8 @@
  * check_cuda.cu — the CUDA backend's correctness harness, through the public API only: every routing x
  * expert kind x weight and activation dtype x T on fresh random inputs against float64 (errors normalised
  * by max|reference|, bounded per dtype; outputs poisoned with NaN first, non-finite fails), plus bitwise
- * determinism, graph replay, ids out of range, expert counters, chunking and back-to-back forwards.
+ * determinism, graph replay, ids out of range, expert counters, chunking and back-to-back forwards, and
+ * the layer features (feature_cases: logit bias, group limit, expert biases, SWIGLU_OAI, shared expert).
  * Shapes reach every kernel path: gemv, each tensor-core tile height, 128-row wgmma tiles and folds.
  *   make test-cuda      (--quick; CUDA_HARNESS_ARGS= runs all of it; exit status 0 only if all passed)
  *   COLIBRI_CHECK_ONLY=text runs the cases whose name contains text; COLIBRI_CUDA_NO_WS=1 (read by the
@@ -609,6 +610,425 @@ static void back_to_back(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int 
     colibri_moe_context_destroy(ctx);
 }
 
+/* ---- the layer features of colibri.h's appended config fields (router logit bias, group limit, expert
+ * biases, SWIGLU_OAI, shared expert) against their own float64 forward and routing ---- */
+struct Feat {
+    int n_group = 0, topk_group = 0;
+    colibri_group_score_t gscore = COLIBRI_GROUP_SCORE_MAX;
+    bool logit_bias = false, oai = false, ebias = false, sgate = false;
+    int Fs = 0; /* shared expert width, 0: none */
+};
+
+struct FeatLayer {
+    Layer L;
+    Feat f;
+    int bias_numel = 0;
+    std::vector<float> logit_bias, ebias, sgate; /* as given to the library */
+    std::vector<char> shared;                     /* gate [Fs, H], up [Fs, H], down [H, Fs], weight dtype */
+    std::vector<double> sw;                       /* the same as doubles */
+    float alpha = 1.702f, limit = 0.8f;           /* a limit that clamps many gate and up sums */
+};
+
+static FeatLayer make_feat_layer(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, const Feat &f,
+                                 std::mt19937_64 &rng) {
+    FeatLayer X;
+    X.L = make_layer(s, kind, wdt, rng);
+    X.f = f;
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    X.bias_numel = kind == COLIBRI_EXPERT_SWIGLU ? 2 * s.F + s.H : s.F;
+    if (f.logit_bias) {
+        X.logit_bias.resize(s.E);
+        for (auto &b : X.logit_bias) b = (float)(u(rng) * 0.5);
+    }
+    if (f.ebias) {
+        X.ebias.resize((size_t)s.E * X.bias_numel);
+        for (auto &b : X.ebias) b = (float)(u(rng) * 0.3);
+    }
+    if (f.Fs) {
+        const size_t n = 3 * (size_t)f.Fs * s.H;
+        X.shared.assign(n * colibri_dtype_size(wdt), 0);
+        X.sw.resize(n);
+        for (size_t i = 0; i < n; i++) {
+            const double fan = i >= 2 * (size_t)f.Fs * s.H ? f.Fs : s.H;
+            X.sw[i] = put(X.shared.data(), wdt, i, u(rng) * 1.7 / sqrt(fan));
+        }
+        if (f.sgate) {
+            X.sgate.resize(s.H);
+            for (auto &g : X.sgate) g = (float)(u(rng) * 2.0 / sqrt((double)s.H));
+        }
+    }
+    return X;
+}
+
+/* float64 act(g, u) of the layer */
+static double ref_act(const FeatLayer &X, double g, double u) {
+    if (!X.f.oai) return g / (1.0 + exp(-g)) * u;
+    const double l = X.limit, gc = std::min(g, l), uc = std::min(std::max(u, -l), l);
+    return (uc + 1.0) * gc / (1.0 + exp(-(double)X.alpha * gc));
+}
+
+/* float64 forward of the given routing with the layer's biases, activation and shared expert */
+static std::vector<double> ref_forward_feat(const FeatLayer &X, const std::vector<double> &x, int T,
+                                            const std::vector<int> &ids, const std::vector<float> &wts) {
+    const Layer &L = X.L;
+    const int H = L.s.H, F = L.s.F, k = L.s.k, O = out_features(L), Fs = X.f.Fs;
+    std::vector<double> out((size_t)T * O, 0.0);
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int t = 0; t < T; t++) {
+        std::vector<double> h(std::max(F, Fs)), y(O);
+        const double *xt = &x[(size_t)t * H];
+        for (int j = 0; j < k; j++) {
+            const int e = ids[(size_t)t * k + j];
+            if (e < 0 || e >= L.s.E) continue;
+            const double *we = &L.w[(size_t)e * L.numel];
+            const float *b = X.ebias.empty() ? nullptr : &X.ebias[(size_t)e * X.bias_numel];
+            if (L.kind == COLIBRI_EXPERT_SWIGLU) {
+                for (int f = 0; f < F; f++) {
+                    double g = b ? b[f] : 0.0, u = b ? b[F + f] : 0.0;
+                    for (int i = 0; i < H; i++) {
+                        g += we[(size_t)f * H + i] * xt[i];
+                        u += we[(size_t)F * H + (size_t)f * H + i] * xt[i];
+                    }
+                    h[f] = ref_act(X, g, u);
+                }
+                for (int o = 0; o < O; o++) {
+                    double s = b ? b[2 * F + o] : 0.0;
+                    for (int f = 0; f < F; f++) s += we[2 * (size_t)F * H + (size_t)o * F + f] * h[f];
+                    y[o] = s;
+                }
+            } else {
+                for (int o = 0; o < O; o++) {
+                    double s = b ? b[o] : 0.0;
+                    for (int i = 0; i < H; i++) s += we[(size_t)o * H + i] * xt[i];
+                    y[o] = s;
+                }
+            }
+            for (int o = 0; o < O; o++) out[(size_t)t * O + o] += wts[(size_t)t * k + j] * y[o];
+        }
+        if (Fs) { /* the shared expert: SiLU, no biases, weight 1 or sigmoid(gate . x) */
+            double gw = 1.0;
+            if (X.f.sgate) {
+                double d = 0;
+                for (int i = 0; i < H; i++) d += (double)X.sgate[i] * xt[i];
+                gw = 1.0 / (1.0 + exp(-d));
+            }
+            const double *sg = X.sw.data(), *su = sg + (size_t)Fs * H, *sd = su + (size_t)Fs * H;
+            for (int f = 0; f < Fs; f++) {
+                double g = 0, u = 0;
+                for (int i = 0; i < H; i++) g += sg[(size_t)f * H + i] * xt[i], u += su[(size_t)f * H + i] * xt[i];
+                h[f] = g / (1.0 + exp(-g)) * u;
+            }
+            for (int o = 0; o < O; o++) {
+                double s = 0;
+                for (int f = 0; f < Fs; f++) s += sd[(size_t)o * Fs + f] * h[f];
+                out[(size_t)t * O + o] += gw * s;
+            }
+        }
+    }
+    return out;
+}
+
+/* float64 routing with the logit bias and the group limit; a token is clear where the kept groups and its
+ * top k + 1 scores are apart by more than the fp32 logits can be off */
+static RouteRef ref_route_feat(const FeatLayer &X, const std::vector<double> &x, int T, colibri_routing_t routing,
+                               int renorm, double scale) {
+    const Layer &L = X.L;
+    const int E = L.s.E, k = L.s.k, H = L.s.H, G = X.f.n_group > 1 ? X.f.n_group : 1, size = E / G;
+    RouteRef r;
+    r.ids.resize((size_t)T * k);
+    r.wts.resize((size_t)T * k);
+    r.clear.resize(T);
+#pragma omp parallel for
+    for (int t = 0; t < T; t++) {
+        std::vector<double> l(E), sel(E), gs(G);
+        for (int e = 0; e < E; e++) {
+            double s = X.logit_bias.empty() ? 0.0 : X.logit_bias[e];
+            for (int i = 0; i < H; i++) s += (double)L.router[(size_t)e * H + i] * x[(size_t)t * H + i];
+            l[e] = s;
+        }
+        const double mx = *std::max_element(l.begin(), l.end());
+        double sum = 0;
+        for (int e = 0; e < E; e++) sum += exp(l[e] - mx);
+        for (int e = 0; e < E; e++)
+            sel[e] = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0 / (1.0 + exp(-l[e])) + L.bias[e] : l[e];
+        bool clear = true;
+        if (G > 1) {
+            for (int g = 0; g < G; g++) {
+                std::vector<double> v(sel.begin() + g * size, sel.begin() + (g + 1) * size);
+                std::sort(v.rbegin(), v.rend());
+                gs[g] = X.f.gscore == COLIBRI_GROUP_SCORE_TOP2_SUM ? v[0] + v[1] : v[0];
+            }
+            std::vector<int> go(G);
+            for (int g = 0; g < G; g++) go[g] = g;
+            std::stable_sort(go.begin(), go.end(), [&](int a, int b) { return gs[a] > gs[b]; });
+            if (X.f.topk_group < G) clear = gs[go[X.f.topk_group - 1]] - gs[go[X.f.topk_group]] > 1e-4;
+            for (int j = X.f.topk_group; j < G; j++)
+                for (int i = 0; i < size; i++) sel[go[j] * size + i] = -INFINITY;
+        }
+        std::vector<int> order(E);
+        for (int e = 0; e < E; e++) order[e] = e;
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return sel[a] > sel[b]; });
+        for (int j = 0; j < k && j + 1 < E; j++) clear = clear && sel[order[j]] - sel[order[j + 1]] > 1e-4;
+        r.clear[t] = clear;
+        double wsum = 0;
+        for (int j = 0; j < k; j++) {
+            const int e = order[j];
+            r.ids[(size_t)t * k + j] = e;
+            double w = routing == COLIBRI_ROUTING_SOFTMAX_TOPK ? exp(l[e] - mx) / sum
+                       : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0 / (1.0 + exp(-l[e]))
+                                                                 : exp(l[e] - l[order[0]]);
+            r.wts[(size_t)t * k + j] = w;
+            wsum += w;
+        }
+        const bool normalise = routing == COLIBRI_ROUTING_TOPK_SOFTMAX || renorm;
+        for (int j = 0; j < k; j++)
+            r.wts[(size_t)t * k + j] = (normalise ? r.wts[(size_t)t * k + j] / wsum : r.wts[(size_t)t * k + j]) * scale;
+    }
+    return r;
+}
+
+/* One layer with features: routing (built-in: against ref_route_feat), forward with routing inside and with
+ * the routed ids given (against ref_forward_feat, and bitwise equal to each other), a graph replay bitwise
+ * equal to eager, expert counts of the routed experts only, and a NaN input that must stay NaN in its
+ * token's output row only. routing GIVEN: random distinct ids. */
+static void feature_case(const char *tag, Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt,
+                         colibri_dtype_t adt, int routing, int renorm, int T, const Feat &f, std::mt19937_64 &rng) {
+    char name[240];
+    snprintf(name, sizeof name, "feature %s E=%d k=%d H=%d F=%d %s w=%s a=%s routing=%d T=%d groups=%d/%d lbias=%d "
+             "oai=%d ebias=%d Fs=%d sgate=%d", tag, s.E, s.k, s.H, s.F, kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear",
+             dtype_name(wdt), dtype_name(adt), routing, T, f.n_group, f.topk_group, f.logit_bias, f.oai, f.ebias, f.Fs,
+             f.sgate);
+    if (case_skipped(name)) return;
+    FeatLayer X = make_feat_layer(s, kind, wdt, f, rng);
+    const Layer &L = X.L;
+    const int k = s.k, H = s.H, O = out_features(L);
+    const double scale = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 2.5 : 1.0;
+    const bool given = routing == GIVEN;
+    colibri_moe_config_t cfg = {};
+    cfg.expert_kind = kind;
+    cfg.weight_dtype = wdt;
+    cfg.num_experts = s.E;
+    cfg.top_k = k;
+    cfg.hidden_size = H;
+    cfg.intermediate_size = s.F;
+    cfg.routing = given ? COLIBRI_ROUTING_SOFTMAX_TOPK : (colibri_routing_t)routing;
+    cfg.renormalize = renorm;
+    cfg.routed_scaling_factor = (float)scale;
+    cfg.device = COLIBRI_DEVICE_CUDA;
+    cfg.n_group = f.n_group;
+    cfg.topk_group = f.topk_group;
+    cfg.group_score = f.gscore;
+    cfg.activation = f.oai ? COLIBRI_ACTIVATION_SWIGLU_OAI : COLIBRI_ACTIVATION_SILU;
+    cfg.activation_alpha = X.alpha;
+    cfg.activation_limit = X.limit;
+    cfg.expert_bias = f.ebias;
+    cfg.shared_intermediate_size = f.Fs;
+    cfg.shared_gate = f.sgate;
+    colibri_moe_weights_t wt = {};
+    wt.expert_weights = L.packed.data();
+    wt.expert_offsets = L.offsets.data();
+    wt.expert_weights_numel = L.total;
+    wt.expert_bias = f.ebias ? X.ebias.data() : nullptr;
+    wt.router_weight = given ? nullptr : L.router.data();
+    wt.router_logit_bias = f.logit_bias && !given ? X.logit_bias.data() : nullptr;
+    wt.router_bias = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? L.bias.data() : nullptr;
+    wt.shared_weights = f.Fs ? X.shared.data() : nullptr;
+    wt.shared_gate_weight = f.sgate ? X.sgate.data() : nullptr;
+    colibri_moe_context_t *ctx = nullptr;
+    const colibri_status_t made = colibri_moe_context_create(&ctx, &cfg, &wt);
+    if (made == COLIBRI_ERR_UNSUPPORTED) { /* refused, not computed differently: say so and move on */
+        printf("skip %s: %s\n", name, colibri_last_error());
+        return;
+    }
+    COL_OK(made);
+    const size_t asz = colibri_dtype_size(adt), obytes = (size_t)T * O * asz;
+    std::vector<char> hin((size_t)T * H * asz);
+    std::vector<double> x((size_t)T * H);
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (size_t i = 0; i < x.size(); i++) x[i] = put(hin.data(), adt, i, nd(rng));
+    Dev d;
+    CUDA_OK(cudaMalloc(&d.in, hin.size()));
+    CUDA_OK(cudaMalloc(&d.out, obytes));
+    CUDA_OK(cudaMalloc(&d.out2, obytes));
+    CUDA_OK(cudaMalloc(&d.ids, (size_t)T * k * 4));
+    CUDA_OK(cudaMalloc(&d.wts, (size_t)T * k * 4));
+    CUDA_OK(cudaMemcpy(d.in, hin.data(), hin.size(), cudaMemcpyHostToDevice));
+    std::vector<int> ids((size_t)T * k);
+    std::vector<float> wts((size_t)T * k);
+    if (given) {
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (int t = 0; t < T; t++) {
+            std::vector<int> perm(s.E);
+            for (int e = 0; e < s.E; e++) perm[e] = e;
+            std::shuffle(perm.begin(), perm.end(), rng);
+            for (int j = 0; j < k; j++) ids[(size_t)t * k + j] = perm[j], wts[(size_t)t * k + j] = (float)(u(rng) + 0.1);
+        }
+        CUDA_OK(cudaMemcpy(d.ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d.wts, wts.data(), wts.size() * 4, cudaMemcpyHostToDevice));
+    } else {
+        CUDA_OK(cudaMemset(d.ids, 0xff, (size_t)T * k * 4));
+        COL_OK(colibri_moe_route(ctx, T, adt, d.in, d.ids, d.wts, nullptr));
+        CUDA_OK(cudaMemcpy(ids.data(), d.ids, ids.size() * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(wts.data(), d.wts, wts.size() * 4, cudaMemcpyDeviceToHost));
+        RouteRef r = ref_route_feat(X, x, T, (colibri_routing_t)routing, renorm, scale);
+        int compared = 0, id_bad = 0, w_bad = 0;
+        for (int t = 0; t < T; t++) {
+            if (!r.clear[t]) continue;
+            compared++;
+            for (int j = 0; j < k; j++) {
+                const size_t i = (size_t)t * k + j;
+                if (ids[i] != r.ids[i]) id_bad++;
+                else if (!(fabs(wts[i] - r.wts[i]) <= 2e-5 * (1 + fabs(r.wts[i])))) w_bad++;
+            }
+        }
+        char what[400];
+        snprintf(what, sizeof what, "%s: route ids (%d wrong) and weights (%d off) on %d/%d clear tokens", name, id_bad,
+                 w_bad, compared, T);
+        expect(id_bad == 0 && w_bad == 0 && compared >= T * 7 / 10, what);
+    }
+    const std::vector<double> ref = ref_forward_feat(X, x, T, ids, wts);
+    std::vector<char> a(obytes), b(obytes);
+    CUDA_OK(cudaMemset(d.out, 0xff, obytes));
+    COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out, nullptr));
+    CUDA_OK(cudaMemcpy(a.data(), d.out, obytes, cudaMemcpyDeviceToHost));
+    const double err = normalised_error(a.data(), adt, ref), lim = limit_for(wdt, adt);
+    char what[400];
+    snprintf(what, sizeof what, "%s: forward error %.3g > limit %.3g", name, err, lim);
+    expect(err <= lim, what);
+    Worst &w = worst[wdt][adt];
+    w.err = std::max(w.err, err);
+    w.ratio = std::max(w.ratio, err / lim);
+    /* routing inside forward (or the same given ids again): bitwise the same */
+    CUDA_OK(cudaMemset(d.out2, 0xff, obytes));
+    if (given) COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out2, nullptr));
+    else COL_OK(colibri_moe_forward(ctx, T, adt, d.in, nullptr, nullptr, d.out2, nullptr));
+    CUDA_OK(cudaMemcpy(b.data(), d.out2, obytes, cudaMemcpyDeviceToHost));
+    snprintf(what, sizeof what, "%s: second forward bitwise equal", name);
+    expect(memcmp(a.data(), b.data(), obytes) == 0, what);
+    /* a graph of the forward (routing inside where built in), replayed: bitwise the same as eager */
+    {
+        cudaStream_t st;
+        CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+        COL_OK(colibri_moe_forward(ctx, T, adt, d.in, given ? d.ids : nullptr, given ? d.wts : nullptr, d.out2, st));
+        CUDA_OK(cudaStreamEndCapture(st, &graph));
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        CUDA_OK(cudaMemsetAsync(d.out2, 0xff, obytes, st));
+        CUDA_OK(cudaGraphLaunch(exec, st));
+        CUDA_OK(cudaStreamSynchronize(st));
+        CUDA_OK(cudaMemcpy(b.data(), d.out2, obytes, cudaMemcpyDeviceToHost));
+        snprintf(what, sizeof what, "%s: graph replay bitwise equal to eager", name);
+        expect(memcmp(a.data(), b.data(), obytes) == 0, what);
+        CUDA_OK(cudaGraphExecDestroy(exec));
+        CUDA_OK(cudaGraphDestroy(graph));
+        CUDA_OK(cudaStreamDestroy(st));
+    }
+    COL_OK(colibri_moe_context_take_device_error(ctx));
+    /* three forwards (one replayed), counted for the routed experts only */
+    std::vector<uint64_t> counts(s.E), want(s.E, 0);
+    for (int i : ids) want[i] += 3;
+    COL_OK(colibri_moe_context_expert_counts(ctx, counts.data(), 1));
+    snprintf(what, sizeof what, "%s: expert counts", name);
+    expect(counts == want, what);
+    /* NaN in token 0's input: its output row holds NaN, the other rows are unchanged (given ids) */
+    {
+        const double nan = NAN;
+        put(hin.data(), adt, 0, nan);
+        CUDA_OK(cudaMemcpy(d.in, hin.data(), hin.size(), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d.out2, 0, obytes));
+        COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out2, nullptr));
+        CUDA_OK(cudaMemcpy(b.data(), d.out2, obytes, cudaMemcpyDeviceToHost));
+        bool row0_nan = false;
+        for (int o = 0; o < O; o++) row0_nan = row0_nan || std::isnan(get(b.data(), adt, o));
+        const size_t row = (size_t)O * asz;
+        snprintf(what, sizeof what, "%s: NaN input stays NaN in its row only", name);
+        expect(row0_nan && memcmp(a.data() + row, b.data() + row, obytes - row) == 0, what);
+    }
+    colibri_moe_context_destroy(ctx);
+    cudaFree(d.in);
+    cudaFree(d.out);
+    cudaFree(d.out2);
+    cudaFree(d.ids);
+    cudaFree(d.wts);
+    printf("ok   %-100s err %.3g (limit %.3g)\n", name, err, lim);
+    fflush(stdout);
+}
+
+/* The model families' feature sets over shapes that reach every expert path (T = 1 to 4096). */
+static void feature_cases(bool quick, std::mt19937_64 &rng) {
+    const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
+    const std::vector<int> Ts = quick ? std::vector<int>{1, 7, 64, 513} : std::vector<int>{1, 2, 7, 64, 128, 513, 4096};
+    /* gpt-oss-like: logit bias, top-k then softmax, the clamped SwiGLU, gate/up/down biases */
+    Feat oss;
+    oss.logit_bias = oss.oai = oss.ebias = true;
+    Feat lin; /* LINEAR experts with their output bias */
+    lin.logit_bias = lin.ebias = true;
+    const Shape oss_shape = {32, 4, 256, 192}, small = {8, 2, 136, 88};
+    for (colibri_dtype_t w : dts)
+        for (int T : Ts) {
+            if (quick && w == COLIBRI_DTYPE_F16) continue;
+            const colibri_dtype_t a = w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w;
+            feature_case("gpt-oss", oss_shape, COLIBRI_EXPERT_SWIGLU, w, a, COLIBRI_ROUTING_TOPK_SOFTMAX, 0, T, oss, rng);
+            feature_case("oai-small", small, COLIBRI_EXPERT_SWIGLU, w, w, COLIBRI_ROUTING_TOPK_SOFTMAX, 0, T, oss, rng);
+            feature_case("linear-bias", small, COLIBRI_EXPERT_LINEAR, w, a, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, lin, rng);
+        }
+    /* odd rows: the scalar gemv with biases; given ids with biases */
+    feature_case("oai-odd", {5, 3, 36, 20}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16,
+                 COLIBRI_ROUTING_TOPK_SOFTMAX, 0, 7, oss, rng);
+    feature_case("oai-given", oss_shape, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, GIVEN, 0, 300,
+                 oss, rng);
+    /* DeepSeek-V3-like: 256 experts in 8 groups, 4 kept, top-2 sums, sigmoid scores with the correction */
+    Feat ds;
+    ds.n_group = 8;
+    ds.topk_group = 4;
+    ds.gscore = COLIBRI_GROUP_SCORE_TOP2_SUM;
+    const Shape ds_shape = {256, 8, 128, 64};
+    for (colibri_dtype_t w : {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_F32})
+        for (int T : Ts) {
+            if (quick && (w != COLIBRI_DTYPE_BF16 || T > 64)) continue;
+            feature_case("deepseek-v3", ds_shape, COLIBRI_EXPERT_SWIGLU, w, w, COLIBRI_ROUTING_SIGMOID_BIAS, 1, T, ds,
+                         rng);
+        }
+    /* the warp top-k of E <= 64 (the rank path) with groups: max and top-2 scores, a logit bias too */
+    Feat g64 = ds;
+    g64.gscore = COLIBRI_GROUP_SCORE_MAX;
+    g64.topk_group = 3;
+    g64.logit_bias = true;
+    Feat g64b = ds;
+    g64b.n_group = 4;
+    g64b.topk_group = 2;
+    for (int T : {1, 7, 64, 513}) {
+        if (quick && T > 7) continue;
+        feature_case("groups-64", {64, 6, 128, 64}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16,
+                     COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, g64, rng);
+        feature_case("groups-48", {48, 4, 128, 64}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32,
+                     COLIBRI_ROUTING_SIGMOID_BIAS, 1, T, g64b, rng);
+    }
+    /* shared experts: Qwen2-MoE-like (Fs = 2.5 F: three slices, the last half zero rows; the sigmoid gate)
+     * and DeepSeek-V3-like (Fs = F, weight 1, with the group limit); given ids too */
+    Feat qs;
+    qs.Fs = 160;
+    qs.sgate = true;
+    Feat dss = ds;
+    dss.Fs = 64;
+    for (colibri_dtype_t w : dts)
+        for (int T : Ts) {
+            if (quick && (w == COLIBRI_DTYPE_F16 || T == 513)) continue;
+            const colibri_dtype_t a = w == COLIBRI_DTYPE_F32 ? COLIBRI_DTYPE_BF16 : w;
+            feature_case("qwen2-shared", {16, 4, 128, 64}, COLIBRI_EXPERT_SWIGLU, w, a, COLIBRI_ROUTING_SOFTMAX_TOPK, 0,
+                         T, qs, rng);
+            if (T != 1 && T != 64 && T != 4096) continue;
+            feature_case("deepseek-shared", ds_shape, COLIBRI_EXPERT_SWIGLU, w, w, COLIBRI_ROUTING_SIGMOID_BIAS, 1, T,
+                         dss, rng);
+        }
+    feature_case("shared-given", {16, 4, 128, 64}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, GIVEN,
+                 0, 300, qs, rng);
+    feature_case("shared-odd", {5, 3, 36, 20}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16,
+                 COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 7, qs, rng);
+}
+
 int main(int argc, char **argv) {
     const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
     if (!colibri_cuda_built() || colibri_cuda_device_count() < 1) {
@@ -764,6 +1184,8 @@ int main(int argc, char **argv) {
     back_to_back(aligned, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, 513, rng);
     for (int T : {1, 2}) back_to_back(decode, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
     for (int T : {1, 2}) back_to_back(tall_odd, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
+
+    feature_cases(quick, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
     for (colibri_dtype_t w : dts)

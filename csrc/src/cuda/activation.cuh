@@ -44,10 +44,47 @@ struct ActSilu {
     }
 };
 
+/* gpt-oss's clamped SwiGLU (colibri.h, SWIGLU_OAI), alpha and limit from the args: the clamps are
+ * comparisons, so that NaN stays NaN (fminf would turn it into the limit). */
+struct ActOai {
+    static constexpr bool glu = true;
+    template <class Args> static __device__ __forceinline__ void clamp(float &g, float &u, const Args &a) {
+        const float l = a.act_limit;
+        g = g > l ? l : g;
+        u = u > l ? l : u < -l ? -l : u;
+    }
+    template <class Args> static __device__ __forceinline__ float apply(float gate, float up, const Args &a) {
+        clamp(gate, up, a);
+        return (up + 1.0f) * (gate / (1.0f + expf(-a.act_alpha * gate)));
+    }
+    template <class Args> static __device__ __forceinline__ float apply_fast(float gate, float up, const Args &a) {
+        clamp(gate, up, a);
+        /* g sigmoid(alpha g) = h + h tanh(alpha h), h = g / 2, as silu_fast_f32 */
+        const float h = 0.5f * gate;
+        float t;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(a.act_alpha * h));
+        return (up + 1.0f) * fmaf(h, t, h);
+    }
+};
+
+/* The first projection's gate and up biases of output column col of `expert` (a.bias: rows of
+ * a.bias_stride floats, the up biases a.n on), added before the activation; nothing without them. */
+template <class Args>
+__device__ __forceinline__ void colibri_glu_bias(const Args &a, int expert, int col, float &gate, float &up) {
+    if (a.bias && col < a.n) { /* columns past n (a partial block) are never stored */
+        const float *b = a.bias + (size_t)expert * a.bias_stride + col;
+        gate += __ldg(b);
+        up += __ldg(b + a.n);
+    }
+}
+
 /* Calls f(Act{}) with the tag of the first projection of c's experts. */
 template <class F> static inline void colibri_dispatch_act(const colibri_moe_config_t *c, F &&f) {
     switch (c->expert_kind) {
-    case COLIBRI_EXPERT_SWIGLU: f(ActSilu{}); break;
+    case COLIBRI_EXPERT_SWIGLU:
+        if (c->activation == COLIBRI_ACTIVATION_SWIGLU_OAI) f(ActOai{});
+        else f(ActSilu{});
+        break;
     case COLIBRI_EXPERT_LINEAR: f(ActLinear{}); break;
     }
 }
@@ -63,6 +100,7 @@ static inline bool colibri_act_glu(const colibri_moe_config_t *c) {
 template <class F> static inline void colibri_for_each_act(F &&f) {
     f(ActLinear{});
     f(ActSilu{});
+    f(ActOai{});
 }
 
 #endif /* COLIBRI_CUDA_ACTIVATION_CUH */

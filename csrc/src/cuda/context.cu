@@ -48,6 +48,8 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     const size_t positions = tokens * k;
     b->router = ctx->router_weight ? c.take<float>(E * H) : NULL;
     b->router_bias = ctx->router_bias ? c.take<float>(E) : NULL;
+    b->router_logit_bias = ctx->router_logit_bias ? c.take<float>(E) : NULL;
+    b->expert_bias = ctx->expert_bias ? c.take<float>((size_t)colibri_all_experts(ctx) * ctx->bias_numel) : NULL;
     const size_t split = colibri_cuda_route_split_elems(ctx, tokens);
     b->router_split = split ? c.take<__nv_bfloat16>(split) : NULL;
     b->logits = c.take<float>(tokens * E);
@@ -116,6 +118,13 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
                                       cudaMemcpyHostToDevice));
     if (b->router_bias)
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->router_bias, ctx->router_bias, E * sizeof(float), cudaMemcpyHostToDevice));
+    if (b->router_logit_bias)
+        COLIBRI_CUDA_CHECK(cudaMemcpy(b->router_logit_bias, ctx->router_logit_bias, E * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+    if (b->expert_bias)
+        COLIBRI_CUDA_CHECK(cudaMemcpy(b->expert_bias, ctx->expert_bias,
+                                      (size_t)colibri_all_experts(ctx) * ctx->bias_numel * sizeof(float),
+                                      cudaMemcpyHostToDevice));
     COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, E * sizeof(unsigned long long)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->ws_sched, 0, 4 * sizeof(unsigned)));
@@ -197,7 +206,7 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
                                           &combined, s)) != COLIBRI_OK)
         return st;
     if (combined) return COLIBRI_OK;
-    return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_weights, direct_ids, output, s);
+    return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_ids, topk_weights, direct_ids, output, s);
 }
 
 colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,

@@ -44,6 +44,8 @@ struct CudaBackend {
     char *d_workspace;          /* one allocation; the pointers below point into it */
     float *router;              /* [E, H] fp32, or NULL */
     float *router_bias;         /* [E] fp32, or NULL */
+    float *router_logit_bias;   /* [E] fp32 added to the logits, or NULL */
+    float *expert_bias;         /* [E + m, bias_numel] fp32 (ctx->expert_bias), or NULL */
     __nv_bfloat16 *router_split; /* [3, E, H] the router as hi + mid + lo bf16 parts (route.cu), or NULL; carved
                                   * wherever the router GEMM may run (6 bytes per router weight) */
     int router_parts;           /* 1 where every mid and lo is 0 (a bf16 router upcast), else 3 */
@@ -274,9 +276,18 @@ PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_
 colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
                                               cudaStream_t stream);
 /* combine.cu */
-/* direct_ids: as for launch_experts (y rows are then assignment indices) */
+/* direct_ids: as for launch_experts (y rows are then assignment indices); topk_ids: the forward's ids */
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,
-                                             colibri_dtype_t act_dtype, const float *topk_weights,
-                                             const int32_t *direct_ids, void *output, cudaStream_t stream);
+                                             colibri_dtype_t act_dtype, const int32_t *topk_ids,
+                                             const float *topk_weights, const int32_t *direct_ids, void *output,
+                                             cudaStream_t stream);
+
+/* The expert biases added to each expert's output (SWIGLU: the down biases, 2F into a row; LINEAR: the
+ * whole row), rows of ctx->bias_numel on the device, or NULL without expert biases. */
+static inline const float *colibri_cuda_output_bias(const colibri_moe_context_t *ctx) {
+    const float *b = ((const CudaBackend *)ctx->backend)->expert_bias;
+    if (!b) return NULL;
+    return ctx->cfg.expert_kind == COLIBRI_EXPERT_SWIGLU ? b + 2 * (size_t)ctx->cfg.intermediate_size : b;
+}
 
 #endif /* COLIBRI_CUDA_BACKEND_CUH */

@@ -73,10 +73,11 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     }
     colibri_for_each_act([&](auto act) {
         using Act = decltype(act);
-        for (int lk = 0; lk < 2; lk++) {
-            b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
-            b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
-        }
+        if constexpr (!std::is_same<Act, ActOai>::value) /* the plan reads one GLU entry: ActSilu's */
+            for (int lk = 0; lk < 2; lk++) {
+                b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
+                b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
+            }
     });
     return COLIBRI_OK;
 }
@@ -145,6 +146,11 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     a.tiles = b->tiles;
     a.num_tiles = b->num_tiles;
     a.sched = b->ws_sched + (row_map ? 0 : 2);
+    /* a GLU is a first projection: its gate and up biases (the output biases are combine.cu's) */
+    a.bias = Act::glu ? b->expert_bias : NULL;
+    a.bias_stride = ctx->bias_numel;
+    a.act_alpha = ctx->cfg.activation_alpha;
+    a.act_limit = ctx->cfg.activation_limit;
     if (direct_ids) {
         /* positions are assignment indices: x row t = position / k for the first projection, which reads
          * the tokens (row_map given), the position itself for the second, which reads inter */
@@ -212,7 +218,8 @@ static cudaError_t project_combine(const colibri_moe_context_t *ctx, int64_t ass
     a.num_ids = (int32_t)assignments;
     a.num_experts = ctx->cfg.num_experts;
     const int rows = plan_combine_rows(b, (size_t)F * sizeof(TW), H, assignments);
-    return gemv_combine_launch<TW, TA>(a, topk_weights, ctx->cfg.top_k, rows, out, stream);
+    return gemv_combine_launch<TW, TA>(a, topk_weights, ctx->cfg.top_k, rows, out, colibri_cuda_output_bias(ctx),
+                                       ctx->bias_numel, stream);
 }
 
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,

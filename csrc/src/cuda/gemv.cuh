@@ -42,6 +42,10 @@ struct ProjArgs {
      * projection adds to it (ready_need 0), the second waits for ready_need in it before it reads a tile */
     unsigned *ready;
     int32_t ready_need;
+    /* a GLU's gate and up biases (colibri_glu_bias), [experts, bias_stride] fp32, or NULL; ActOai's slope and clamp */
+    const float *bias;
+    int32_t bias_stride;
+    float act_alpha, act_limit;
 };
 
 /* Direct mode: finds the blockIdx.x-th distinct valid expert of ids[0, n) in ascending id order, and
@@ -204,7 +208,8 @@ __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *c
  * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
 template <class TW, class TX, class TO, int VW, class Act, int NT, int UNROLL>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
-                                          int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait) {
+                                          int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait,
+                                          int expert) {
     const TX *xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -220,8 +225,9 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
         if (lane == t && t < count) {
             int out_row, x_row;
             gemv_position(a, s_pos, p0 + t, out_row, x_row);
-            const float v = Act::apply(acc0[t], acc1[t], a);
-            out[(size_t)out_row * a.n + n] = from_f32<TO>(v);
+            float g = acc0[t], u = acc1[t];
+            if constexpr (Act::glu) colibri_glu_bias(a, expert, n, g, u);
+            out[(size_t)out_row * a.n + n] = from_f32<TO>(Act::apply(g, u, a));
         }
     }
 }
@@ -240,23 +246,24 @@ template <int VW, class Act, int MAXNT> constexpr int gemv_unroll() {
  * holds them. */
 template <class TW, class TX, class TO, int VW, class Act, int MAXNT, int U>
 __device__ __forceinline__ void gemv_pass(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int q,
-                                          int count, int n, int lane, int kb, int kl, void *out, bool &must_wait) {
+                                          int count, int n, int lane, int kb, int kl, void *out, bool &must_wait,
+                                          int expert) {
     if constexpr (MAXNT >= 8)
         if (count > 4) {
-            gemv_rows<TW, TX, TO, VW, Act, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
             return;
         }
     if constexpr (MAXNT >= 4)
         if (count > 2) {
-            gemv_rows<TW, TX, TO, VW, Act, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
             return;
         }
     if constexpr (MAXNT >= 2)
         if (count == 2) {
-            gemv_rows<TW, TX, TO, VW, Act, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+            gemv_rows<TW, TX, TO, VW, Act, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
             return;
         }
-    gemv_rows<TW, TX, TO, VW, Act, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait);
+    gemv_rows<TW, TX, TO, VW, Act, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
 }
 
 template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
@@ -299,7 +306,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
         const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
         for (int q = p0; q < p1; q += MAXNT)
             gemv_pass<TW, TX, TO, VW, Act, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
-                                                    must_wait);
+                                                    must_wait, expert);
     }
 }
 
@@ -317,7 +324,8 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
 
 template <class TW, class TA, int VW>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
-    gemv_combine_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out) {
+    gemv_combine_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out, const float *bias,
+                        int bias_stride) {
     __shared__ int s_e[GEMV_COMBINE_MAX];
     __shared__ float s_y[GEMV_COMBINE_ROWS][GEMV_COMBINE_MAX];
     pdl_trigger();
@@ -346,7 +354,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
         float acc = 0.0f;
         for (int j = 0; j < top_k; j++) {
             const int i = t * top_k + j;
-            if (s_e[i] >= 0) acc = fmaf(wts[i], s_y[r][i], acc);
+            if (s_e[i] < 0) continue;
+            float y = s_y[r][i];
+            /* the expert's output bias, after the rounding to the weight dtype (as combine.cu adds it) */
+            if (bias) y += __ldg(bias + (size_t)s_e[i] * bias_stride + n0 + r);
+            acc = fmaf(wts[i], y, acc);
         }
         out[(size_t)t * a.n + n0 + r] = from_f32<TA>(acc);
     }
@@ -356,10 +368,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
  * with `rows` (<= GEMV_COMBINE_ROWS) output rows per block. */
 template <class TW, class TA>
 static cudaError_t gemv_combine_launch(const ProjArgs &a, const float *wts, int top_k, int rows, TA *out,
-                                       cudaStream_t stream) {
+                                       const float *bias, int bias_stride, cudaStream_t stream) {
     const dim3 grid((unsigned)((a.n + rows - 1) / rows));
     return colibri_launch(gemv_combine_kernel<TW, TA, 16 / sizeof(TW)>, grid, GEMV_WARPS * 32, 0, stream, a, wts,
-                          top_k, rows, out);
+                          top_k, rows, out, bias, bias_stride);
 }
 
 /* The router's launch split along K (gemv_launch_groups with splits > 1): gemv_kernel's group mode
@@ -381,7 +393,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>()
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w = reinterpret_cast<const TW *>(a.w) + (size_t)n * a.k;
         gemv_pass<TW, TX, TO, VW, ActLinear, GEMV_GROUP, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out,
-                                                            must_wait);
+                                                            must_wait, 0);
     }
 }
 

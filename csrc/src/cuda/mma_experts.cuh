@@ -184,9 +184,12 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
                 const int p = tile.begin + wm * WTM + i * 16 + (lane >> 2) + h * 8;
                 if (p >= tile.end) continue;
                 float v0 = acc[0][i][j][2 * h], v1 = acc[0][i][j][2 * h + 1];
-                if (Act::glu) {
-                    v0 = Act::apply(v0, acc[NMAT - 1][i][j][2 * h], a);
-                    v1 = Act::apply(v1, acc[NMAT - 1][i][j][2 * h + 1], a);
+                if constexpr (Act::glu) {
+                    float u0 = acc[NMAT - 1][i][j][2 * h], u1 = acc[NMAT - 1][i][j][2 * h + 1];
+                    colibri_glu_bias(a, tile.expert, col, v0, u0);
+                    colibri_glu_bias(a, tile.expert, col + 1, v1, u1);
+                    v0 = Act::apply(v0, u0, a);
+                    v1 = Act::apply(v1, u1, a);
                 }
                 *reinterpret_cast<uint32_t *>(out + (size_t)p * a.n + col) = pack2<T>(v0, v1);
             }

@@ -22,13 +22,44 @@ __device__ __forceinline__ float selection_score(colibri_routing_t routing, floa
 
 struct TopkArgs {
     const float *bias;
+    const float *logit_bias; /* [E] added to the router's logits (before any use of them), or NULL */
     int E, k;
     colibri_routing_t routing;
     int renormalize;
     float scale;
     int32_t *ids; /* [T, k]; NULL: logits only (a routing_fn follows) */
     float *wts;
+    int n_group, topk_group; /* group limit where n_group > 1 (at most 32 groups: topk_kept_groups) */
+    colibri_group_score_t group_score;
 };
+
+/* The group limit of routing.h (colibri_route_limit_groups) for one token, by its warp: lane g < n_group
+ * scores group g from its selection scores in ascending id (the same comparisons in the same order), then
+ * ranks it against the others through shuffles. Bit g of the result: group g is kept. Logits from L2, as
+ * the callers read them. */
+__device__ __forceinline__ unsigned topk_kept_groups(const float *l, const TopkArgs &p, int lane) {
+    const int size = p.E / p.n_group;
+    float gs = -INFINITY;
+    if (lane < p.n_group) {
+        float first = -INFINITY, second = -INFINITY;
+        for (int i = 0; i < size; i++) {
+            const int e = lane * size + i;
+            const float v = selection_score(p.routing, __ldcg(l + e), p.bias, e);
+            if (v > first) second = first, first = v;
+            else if (v > second) second = v;
+        }
+        gs = p.group_score == COLIBRI_GROUP_SCORE_TOP2_SUM ? first + second : first;
+        if (gs != gs) gs = -INFINITY;
+    }
+    int rank = 0; /* groups ranked before this lane's */
+    for (int h = 0; h < p.n_group; h++) rank += colibri_route_before(__shfl_sync(0xffffffffu, gs, h), h, gs, lane);
+    return __ballot_sync(0xffffffffu, lane < p.n_group && rank < p.topk_group);
+}
+
+/* Whether expert e may be selected under the kept groups (always without a group limit). */
+__device__ __forceinline__ bool topk_allowed(const TopkArgs &p, unsigned kept, int e) {
+    return p.n_group <= 1 || ((kept >> (e / (p.E / p.n_group))) & 1u);
+}
 
 /* Logits of one token each lane keeps in registers (e = lane + 32 i): with E <= 256 the picks below
  * read the row from L2 once instead of once per pick; larger E reads the rest each time. */
@@ -64,6 +95,7 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
 
+    const unsigned kept = p.n_group > 1 ? topk_kept_groups(l, p, lane) : ~0u;
     int32_t *ids_t = p.ids + (size_t)t * k;
     float *w_t = p.wts + (size_t)t * k;
     float prev_s = INFINITY;
@@ -72,7 +104,7 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         float best_s = -INFINITY, best_l = 0.0f;
         int best_e = 0x7fffffff;
         for_lane_logits(v, l, E, lane, [&](float x, int e) {
-            const float s = selection_score(routing, x, p.bias, e);
+            const float s = topk_allowed(p, kept, e) ? selection_score(routing, x, p.bias, e) : -INFINITY;
             const bool after_prev = s < prev_s || (s == prev_s && e > prev_e);
             if (after_prev && colibri_route_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
         });
@@ -118,6 +150,11 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
     const float x0 = h0 ? __ldcg(l + lane) : 0.0f, x1 = h1 ? __ldcg(l + lane + 32) : 0.0f;
     unsigned q0 = h0 ? topk_key(selection_score(routing, x0, p.bias, lane)) : 0u;
     unsigned q1 = h1 ? topk_key(selection_score(routing, x1, p.bias, lane + 32)) : 0u;
+    if (p.n_group > 1) { /* experts of the groups dropped score -inf, as in routing.h */
+        const unsigned kept = topk_kept_groups(l, p, lane);
+        if (h0 && !topk_allowed(p, kept, lane)) q0 = topk_key(-INFINITY);
+        if (h1 && !topk_allowed(p, kept, lane + 32)) q1 = topk_key(-INFINITY);
+    }
     float mx = -INFINITY;
     if (h0) mx = fmaxf(mx, x0);
     if (h1) mx = fmaxf(mx, x1);
@@ -184,8 +221,8 @@ static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p
 #define ROUTE_GEMM_MAX_SPLITS 16
 
 /* One warp per token. After a split router GEMM or gemv (splits > 1) the warp first adds the partial
- * logits of splits 1.. (part: [splits - 1, T, E]) to split 0's in split order and writes the sums back
- * as the logits; with p.ids NULL (a routing_fn follows) that is all it does. The partials of a logit
+ * logits of splits 1.. (part: [splits - 1, T, E]) to split 0's in split order, then the logit bias if
+ * any, and writes the sums back as the logits; with p.ids NULL (a routing_fn follows) that is all it does. The partials of a logit
  * are all loaded before the first add (a fixed-size array, the loads past `splits` predicated off):
  * a loop of `splits` trips would wait for each L2 load in turn. The adds keep the order s = 1, 2, ... */
 __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *part, int splits, int T, TopkArgs p) {
@@ -193,7 +230,7 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
     const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (t >= T) return;
     float *l = logits + (size_t)t * p.E;
-    if (splits > 1) {
+    if (splits > 1 || p.logit_bias) {
         for (int e = lane; e < p.E; e += 32) {
             float pv[ROUTE_GEMM_MAX_SPLITS - 1];
 #pragma unroll
@@ -203,6 +240,7 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
 #pragma unroll
             for (int s = 1; s < ROUTE_GEMM_MAX_SPLITS; s++)
                 if (s < splits) v += pv[s - 1];
+            if (p.logit_bias) v += p.logit_bias[e];
             l[e] = v;
         }
         __syncwarp(); /* lane 0 reads the chosen logits that other lanes wrote */
@@ -654,6 +692,7 @@ __global__ void __launch_bounds__(256) route_small_kernel(const float *router, c
         float s = 0.0f;
 #pragma unroll
         for (int wi = 0; wi < 8; wi++) s += s_part[wi][tid];
+        if (p.logit_bias) s += p.logit_bias[e];
         logits[(size_t)tid * p.E + e] = s;
     }
     if (!p.ids) return;
@@ -675,9 +714,12 @@ __global__ void __launch_bounds__(256) route_small_kernel(const float *router, c
     }
 }
 
-static TopkArgs topk_args(const colibri_moe_config_t *c, const float *bias, int32_t *ids, float *wts) {
+static TopkArgs topk_args(const colibri_moe_context_t *ctx, int32_t *ids, float *wts) {
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
     TopkArgs p;
-    p.bias = bias;
+    p.bias = b->router_bias;
+    p.logit_bias = b->router_logit_bias;
     p.E = c->num_experts;
     p.k = c->top_k;
     p.routing = c->routing;
@@ -685,6 +727,9 @@ static TopkArgs topk_args(const colibri_moe_config_t *c, const float *bias, int3
     p.scale = c->routed_scaling_factor;
     p.ids = ids;
     p.wts = wts;
+    p.n_group = c->n_group;
+    p.topk_group = c->topk_group;
+    p.group_score = c->group_score;
     return p;
 }
 
@@ -722,7 +767,7 @@ static cudaError_t launch_route_small(const colibri_moe_context_t *ctx, int64_t 
                                       const void *input, int32_t *ids, float *wts, int tile_m, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
-    const TopkArgs p = topk_args(c, b->router_bias, ids, wts);
+    const TopkArgs p = topk_args(ctx, ids, wts);
     const PermuteArgs po = permute_args(b);
     const size_t smem = tile_m > 0 ? route_small_smem(T, c, po) : 0;
     const bool vec = c->hidden_size % 4 == 0 && colibri_aligned16(input);
@@ -774,10 +819,10 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
     }
     const unsigned topk_blocks = (unsigned)((num_tokens + 7) / 8);
     if (c->routing_fn) {
-        if (splits > 1) /* the routing_fn gets whole logits */
+        if (!small && (splits > 1 || b->router_logit_bias)) /* the routing_fn gets whole logits, biased */
             COLIBRI_CUDA_CHECK(colibri_launch(topk_kernel, dim3(topk_blocks), dim3(256), 0, stream, b->logits,
                                               (const float *)b->logits_part, splits, (int)num_tokens,
-                                              topk_args(c, b->router_bias, NULL, NULL)));
+                                              topk_args(ctx, NULL, NULL)));
         colibri_status_t st = c->routing_fn(c->routing_user_data, num_tokens, c->num_experts, c->top_k, act_dtype,
                                             input, b->router ? b->logits : NULL, topk_ids, topk_weights, stream);
         if (st != COLIBRI_OK)
@@ -786,7 +831,7 @@ colibri_status_t colibri_cuda_launch_route(const colibri_moe_context_t *ctx, int
         return COLIBRI_OK;
     }
     if (small) return COLIBRI_OK;
-    const TopkArgs p = topk_args(c, b->router_bias, topk_ids, topk_weights);
+    const TopkArgs p = topk_args(ctx, topk_ids, topk_weights);
     COLIBRI_CUDA_CHECK(colibri_launch(topk_kernel, dim3(topk_blocks), dim3(256), 0, stream, b->logits,
                                       (const float *)b->logits_part, splits, (int)num_tokens, p));
     return COLIBRI_OK;

@@ -108,7 +108,8 @@ __device__ __forceinline__ void wg_bulk_store(void *dst, uint32_t src, uint32_t 
  * output columns [COLS part, + COLS) (a GLU: Act::apply_fast(gate, up)) to `buf`, rows ROW_BYTES apart
  * (wgmma_kernel: 128 columns, WG_OUT_ROW_BYTES; wgmma_ws_kernel: 64, WS_OUT_ROW_BYTES). */
 template <class T, class Act, int COLS, int ROW_BYTES>
-__device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t buf, int part, const ProjArgs &a) {
+__device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t buf, int part, const ProjArgs &a,
+                                              int expert, int col0) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     /* lane l's row address for stmatrix: row l % 8 (+8 for matrices 1 and 3), chunk +1 for 2 and 3 */
@@ -121,8 +122,13 @@ __device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t 
             const int i = 4 * (part * COLS / 8 + 2 * jj + (q >> 1)) + 2 * (q & 1);
             float v0 = acc[i], v1 = acc[i + 1];
             if constexpr (Act::glu) {
-                v0 = Act::apply_fast(v0, acc[64 + i], a);
-                v1 = Act::apply_fast(v1, acc[64 + i + 1], a);
+                /* acc[i]'s output column: col0 (the item's first) + 8 (i / 4) + 2 (lane % 4) */
+                float u0 = acc[64 + i], u1 = acc[64 + i + 1];
+                const int col = col0 + 8 * (i >> 2) + 2 * (lane & 3);
+                colibri_glu_bias(a, expert, col, v0, u0);
+                colibri_glu_bias(a, expert, col + 1, v1, u1);
+                v0 = Act::apply_fast(v0, u0, a);
+                v1 = Act::apply_fast(v1, u1, a);
             }
             r[q] = pack2<T>(v0, v1);
         }
@@ -137,12 +143,12 @@ __device__ __forceinline__ void wg_stage_part(const float (&acc)[128], uint32_t 
  * row per lane, and the warp goes on while they are written. */
 template <class T, class Act, int COLS, int ROW_BYTES>
 __device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t buf, int part, T *out, int n, int col,
-                                              int prow, int tile_end, const ProjArgs &a) {
+                                              int prow, int tile_end, const ProjArgs &a, int expert) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const int lane = threadIdx.x & 31;
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     __syncwarp();
-    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a);
+    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a, expert, col - part * COLS);
     /* stmatrix wrote through the generic proxy; the bulk copy reads through the async proxy */
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
@@ -158,12 +164,13 @@ __device__ __forceinline__ void wg_store_part(const float (&acc)[128], uint32_t 
  * fine-grained T=256-2048 rows 0.98x; these, 1.00x). */
 template <class T, class Act, int COLS, int ROW_BYTES>
 __device__ __forceinline__ void wg_store_part_direct(const float (&acc)[128], uint32_t buf, int part, T *out, int n,
-                                                     int col, int prow, int tile_end, const ProjArgs &a) {
+                                                     int col, int prow, int tile_end, const ProjArgs &a,
+                                                     int expert) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int CHUNKS = COLS / 8; /* 16-byte chunks per row */
     const int lane = threadIdx.x & 31;
     __syncwarp(); /* the last round's reads of the buffer are done */
-    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a);
+    wg_stage_part<T, Act, COLS, ROW_BYTES>(acc, buf, part, a, expert, col - part * COLS);
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < 16 * CHUNKS / 32; i++) {

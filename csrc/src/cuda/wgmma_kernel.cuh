@@ -142,7 +142,8 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
         const uint32_t out_buf = sbase + WG_STAGES * WG_STAGE_BYTES + (tid >> 5) * WG_OUT_WARP_BYTES;
         const int col0 = nb * COLS;
         /* the previous item's bulk copies have read the buffer (long done: an item ago) */
-        wg_store_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, out_buf, 0, out, a.n, col0, prow, tile.end, a);
+        wg_store_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, out_buf, 0, out, a.n, col0, prow, tile.end, a,
+                                                             tile.expert);
         if constexpr (!Act::glu) {
             /* the ring slot the loader fills next (the last but one the products read; the last with
              * AHEAD 3): free once both warpgroups are past their wait_group 0 (this barrier) until the
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
             __syncthreads();
             const uint32_t spare = sbase + (uint32_t)((stage + AHEAD) % WG_STAGES) * WG_STAGE_BYTES +
                                    (tid >> 5) * WG_OUT_WARP_BYTES;
-            wg_stage_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, spare, 1, a);
+            wg_stage_part<T, Act, WG_OUT_COLS, WG_OUT_ROW_BYTES>(acc, spare, 1, a, tile.expert, col0);
             __syncwarp();
             const int c16 = lane & 15, col = col0 + WG_OUT_COLS + c16 * 8;
 #pragma unroll

@@ -110,8 +110,14 @@ __device__ __forceinline__ void ws_store_folded(const float (&acc)[128], const f
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int i = 4 * j + 2 * h + e;
-                    v[e] = Act::glu ? Act::apply_fast(ws_tacc(acc, xacc, 0, i), ws_tacc(acc, xacc, 1, i), a)
-                               : ws_tacc(acc, xacc, c, i);
+                    if constexpr (Act::glu) {
+                        /* this lane's weight row 16 w + 8 h + g is output column col0 + that */
+                        float gv = ws_tacc(acc, xacc, 0, i), uv = ws_tacc(acc, xacc, 1, i);
+                        colibri_glu_bias(a, tile.expert, col0 + 16 * w + 8 * h + g, gv, uv);
+                        v[e] = Act::apply_fast(gv, uv, a);
+                    } else {
+                        v[e] = ws_tacc(acc, xacc, c, i);
+                    }
                 }
                 const float other = __shfl_xor_sync(0xffffffffu, odd ? v[0] : v[1], 4);
                 const int tok = 8 * j + 2 * t + odd;
@@ -569,7 +575,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         for (int part = 0; part < COLS / WS_OUT_COLS; part++)
             if (col0 + part * WS_OUT_COLS < a.n)
                 wg_store_part_direct<T, Act, WS_OUT_COLS, WS_OUT_ROW_BYTES>(acc, out_buf, part, out, a.n,
-                                                                            col0 + part * WS_OUT_COLS, prow, tile.end, a);
+                                                                            col0 + part * WS_OUT_COLS, prow, tile.end, a,
+                                                                            tile.expert);
         stored(ti);
     }
     if constexpr (MC) ws_cluster_sync();
