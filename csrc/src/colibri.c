@@ -89,7 +89,9 @@ static const char *cuda_missing(const colibri_moe_config_t *c, const colibri_moe
     (void)w;
     /* the warp top-k ranks the groups with one lane each */
     if (c->n_group > 32) return "group-limited routing with more than 32 groups";
-    if (c->shared_intermediate_size > 0) return "shared experts";
+    /* the shared slices take SiLU while the routed experts take the OAI tag: one tag per launch */
+    if (c->shared_intermediate_size > 0 && c->activation != COLIBRI_ACTIVATION_SILU)
+        return "a shared expert beside the SWIGLU_OAI activation";
     return NULL;
 }
 

@@ -41,21 +41,27 @@ struct Carver {
     }
 };
 
+/* E and k are the routing's; the expert pass's buffers take the shared slices too (E + m experts, k + m
+ * slots: colibri_cuda_expert_view). */
 void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t tokens, Carver &c) {
     const colibri_moe_config_t *cfg = &ctx->cfg;
-    const size_t E = (size_t)cfg->num_experts, k = (size_t)cfg->top_k, H = (size_t)cfg->hidden_size;
+    const size_t E0 = (size_t)cfg->num_experts, k0 = (size_t)cfg->top_k, H = (size_t)cfg->hidden_size;
+    const size_t m = (size_t)ctx->shared_experts, E = E0 + m, k = k0 + m;
     const size_t F = (size_t)cfg->intermediate_size, wsize = colibri_dtype_size(cfg->weight_dtype);
     const size_t positions = tokens * k;
-    b->router = ctx->router_weight ? c.take<float>(E * H) : NULL;
-    b->router_bias = ctx->router_bias ? c.take<float>(E) : NULL;
-    b->router_logit_bias = ctx->router_logit_bias ? c.take<float>(E) : NULL;
+    b->router = ctx->router_weight ? c.take<float>(E0 * H) : NULL;
+    b->router_bias = ctx->router_bias ? c.take<float>(E0) : NULL;
+    b->router_logit_bias = ctx->router_logit_bias ? c.take<float>(E0) : NULL;
     b->expert_bias = ctx->expert_bias ? c.take<float>((size_t)colibri_all_experts(ctx) * ctx->bias_numel) : NULL;
     const size_t split = colibri_cuda_route_split_elems(ctx, tokens);
     b->router_split = split ? c.take<__nv_bfloat16>(split) : NULL;
-    b->logits = c.take<float>(tokens * E);
+    b->logits = c.take<float>(tokens * E0);
     b->logits_part = c.take<float>(ctx->router_weight ? colibri_cuda_route_part_floats(ctx, b->sm_count, (int64_t)tokens) : 0);
-    b->ids = c.take<int32_t>(positions);
-    b->wts = c.take<float>(positions);
+    b->ids = c.take<int32_t>(tokens * k0);
+    b->wts = c.take<float>(tokens * k0);
+    b->slot_ids = m ? c.take<int32_t>(positions) : NULL;
+    b->slot_wts = m ? c.take<float>(positions) : NULL;
+    b->shared_gate = ctx->shared_gate ? c.take<float>(H) : NULL;
     b->offsets = c.take<int32_t>(E + 1);
     b->perm = c.take<int32_t>(positions);
     b->inv = c.take<int32_t>(positions);
@@ -66,7 +72,7 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->ws_sched = c.take<unsigned>(4);
     b->ws_ready = c.take<unsigned>(positions + E);
     b->route_done = c.take<unsigned>(1);
-    b->permute_hist = c.take<int32_t>(colibri_cuda_permute_chunks((int64_t)positions, cfg->num_experts) * E);
+    b->permute_hist = c.take<int32_t>(colibri_cuda_permute_chunks((int64_t)positions, (int32_t)E) * E);
     b->permute_counts = c.take<int32_t>(E);
     b->permute_done = c.take<unsigned>(1);
     b->xc = c.take<char>(tokens * H * wsize);
@@ -84,24 +90,26 @@ void free_backend(CudaBackend *b) {
 colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, const void *expert_weights,
                                 const uint64_t *expert_offsets) {
     const colibri_moe_config_t *cfg = &ctx->cfg;
+    colibri_moe_context_t view = colibri_cuda_expert_view(ctx);
     const size_t E = (size_t)cfg->num_experts, wsize = colibri_dtype_size(cfg->weight_dtype);
-    const size_t expert_bytes = ctx->expert_numel * wsize;
+    const size_t all = (size_t)view.cfg.num_experts, expert_bytes = ctx->expert_numel * wsize;
     b->expert_stride = (expert_bytes + 255) & ~(size_t)255;
-    cudaError_t err = cudaMalloc(&b->d_weights, b->expert_stride * E);
+    cudaError_t err = cudaMalloc(&b->d_weights, b->expert_stride * all);
     if (err == cudaErrorMemoryAllocation)
         return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cudaMalloc of %zu bytes for the expert weights failed",
-                                 b->expert_stride * E);
+                                 b->expert_stride * all);
     COLIBRI_CUDA_CHECK(err);
-    for (size_t e = 0; e < E; e++)
+    for (size_t e = 0; e < all; e++) /* the shared expert's slices after the routed experts */
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->d_weights + e * b->expert_stride,
-                                      (const char *)expert_weights + expert_offsets[e] * wsize, expert_bytes,
-                                      cudaMemcpyHostToDevice));
+                                      e < E ? (const char *)expert_weights + expert_offsets[e] * wsize
+                                            : (const char *)ctx->shared_packed + (e - E) * expert_bytes,
+                                      expert_bytes, cudaMemcpyHostToDevice));
 
     const size_t tokens = cfg->workspace_tokens ? (size_t)cfg->workspace_tokens : DEFAULT_WORKSPACE_TOKENS;
-    if (tokens * (size_t)cfg->top_k + E > INT_MAX)
+    if (tokens * (size_t)view.cfg.top_k + all > INT_MAX)
         return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT,
                                  "workspace_tokens * top_k must stay below 2^31 on CUDA (got %zu * %d)", tokens,
-                                 cfg->top_k);
+                                 view.cfg.top_k);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
     Carver measure = {NULL};
     carve_workspace(b, ctx, tokens, measure);
@@ -125,17 +133,21 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->expert_bias, ctx->expert_bias,
                                       (size_t)colibri_all_experts(ctx) * ctx->bias_numel * sizeof(float),
                                       cudaMemcpyHostToDevice));
-    COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, E * sizeof(unsigned long long)));
+    if (b->shared_gate)
+        COLIBRI_CUDA_CHECK(cudaMemcpy(b->shared_gate, ctx->shared_gate, cfg->hidden_size * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->totals, 0, all * sizeof(unsigned long long)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->bad_id, 0, sizeof(int32_t)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->ws_sched, 0, 4 * sizeof(unsigned)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->route_done, 0, sizeof(unsigned)));
-    COLIBRI_CUDA_CHECK(cudaMemset(b->permute_counts, 0, E * sizeof(int32_t)));
+    COLIBRI_CUDA_CHECK(cudaMemset(b->permute_counts, 0, all * sizeof(int32_t)));
     COLIBRI_CUDA_CHECK(cudaMemset(b->permute_done, 0, sizeof(unsigned)));
-    colibri_status_t st = colibri_cuda_permute_setup(b, cfg->num_experts);
+    colibri_status_t st = colibri_cuda_permute_setup(b, view.cfg.num_experts);
     if (st != COLIBRI_OK) return st;
     st = colibri_cuda_experts_setup(b);
     if (st != COLIBRI_OK) return st;
-    colibri_cuda_experts_fold_setup(ctx, b);
+    view.backend = b; /* the tensor maps span every expert the pass reads */
+    colibri_cuda_experts_fold_setup(&view, b);
     st = colibri_cuda_route_setup(ctx, b);
     if (st != COLIBRI_OK) return st;
     COLIBRI_CUDA_CHECK(cudaDeviceSynchronize());
@@ -179,34 +191,44 @@ colibri_status_t colibri_cuda_forward(colibri_moe_context_t *ctx, int64_t num_to
     COLIBRI_CUDA_CHECK(guard.err);
     cudaStream_t s = (cudaStream_t)stream;
     colibri_status_t st;
-    const int32_t tile_m = colibri_cuda_experts_tile_m(ctx, num_tokens, act_dtype, input);
-    const bool direct = colibri_cuda_experts_direct(ctx, num_tokens, tile_m);
+    /* the routing runs on the layer's E and k; the expert pass on the view with the shared slices */
+    const colibri_moe_context_t view_ = colibri_cuda_expert_view(ctx), *view = &view_;
+    const bool shared = ctx->shared_experts > 0;
+    const int32_t tile_m = colibri_cuda_experts_tile_m(view, num_tokens, act_dtype, input);
+    const bool direct = colibri_cuda_experts_direct(view, num_tokens, tile_m);
     bool permuted = false;
     /* The L2 prefetch of the up projection's first wave runs beside the router's first
      * kernel (colibri_cuda_launch_route), or, where no router kernel runs, before the permutation. First
-     * of all, before the router, it was slower: the router then waits for it. */
-    const bool prefetch_late = topk_ids || !b->router;
+     * of all, before the router, it was slower: the router then waits for it. With a shared expert the
+     * route kernel permutes nothing (its ids lack the shared slots) and prefetches nothing. */
+    const bool prefetch_late = topk_ids || !b->router || shared;
     if (!topk_ids) {
-        st = colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, b->ids, b->wts, direct ? 0 : tile_m,
-                                       &permuted, s);
+        st = colibri_cuda_launch_route(ctx, num_tokens, act_dtype, input, b->ids, b->wts,
+                                       direct || shared ? 0 : tile_m, &permuted, s);
         if (st != COLIBRI_OK) return st;
         topk_ids = b->ids;
         topk_weights = b->wts;
     }
+    if (shared) {
+        st = colibri_cuda_launch_slots(ctx, num_tokens, act_dtype, input, topk_ids, topk_weights, s);
+        if (st != COLIBRI_OK) return st;
+        topk_ids = b->slot_ids;
+        topk_weights = b->slot_wts;
+    }
     const int32_t *direct_ids = direct ? topk_ids : NULL;
-    if (prefetch_late && (st = colibri_cuda_launch_prefetch(ctx, num_tokens, tile_m, s)) != COLIBRI_OK) return st;
+    if (prefetch_late && (st = colibri_cuda_launch_prefetch(view, num_tokens, tile_m, s)) != COLIBRI_OK) return st;
     if (!direct && !permuted) {
-        const bool pairs = colibri_cuda_experts_pairs(ctx, num_tokens, tile_m);
-        const int absorb = colibri_cuda_experts_absorb(ctx, tile_m);
-        if ((st = colibri_cuda_launch_permute(ctx, num_tokens, topk_ids, tile_m, pairs, absorb, s)) != COLIBRI_OK)
+        const bool pairs = colibri_cuda_experts_pairs(view, num_tokens, tile_m);
+        const int absorb = colibri_cuda_experts_absorb(view, tile_m);
+        if ((st = colibri_cuda_launch_permute(view, num_tokens, topk_ids, tile_m, pairs, absorb, s)) != COLIBRI_OK)
             return st;
     }
     bool combined = false;
-    if ((st = colibri_cuda_launch_experts(ctx, num_tokens, act_dtype, input, tile_m, direct_ids, topk_weights, output,
+    if ((st = colibri_cuda_launch_experts(view, num_tokens, act_dtype, input, tile_m, direct_ids, topk_weights, output,
                                           &combined, s)) != COLIBRI_OK)
         return st;
     if (combined) return COLIBRI_OK;
-    return colibri_cuda_launch_combine(ctx, num_tokens, act_dtype, topk_ids, topk_weights, direct_ids, output, s);
+    return colibri_cuda_launch_combine(view, num_tokens, act_dtype, topk_ids, topk_weights, direct_ids, output, s);
 }
 
 colibri_status_t colibri_cuda_route(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,

@@ -81,6 +81,9 @@ struct CudaBackend {
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
     bool l2_prefetch;           /* compute capability 9.x: the first wave's weights are prefetched during routing */
     size_t permute_smem;
+    int32_t *slot_ids;          /* [Tw, k + m] with a shared expert (colibri_cuda_launch_slots), else NULL */
+    float *slot_wts;            /* [Tw, k + m] */
+    float *shared_gate;         /* [H] fp32, or NULL */
 };
 
 template <class T> struct DtypeTag { using type = T; };
@@ -219,6 +222,16 @@ static cudaError_t colibri_launch(void (*kernel)(Params...), dim3 grid, dim3 blo
     return colibri_launch_clusters(kernel, 1, grid, block, smem, stream, args...);
 }
 
+/* The layer as the expert pass sees it (internal.h): the shared expert's m slices are experts E.. and
+ * every token's slots k.. . Everything after the routing (permute, experts, combine) takes this view;
+ * the routing and the counts reported keep the context's own E and k. */
+static inline colibri_moe_context_t colibri_cuda_expert_view(const colibri_moe_context_t *ctx) {
+    colibri_moe_context_t v = *ctx;
+    v.cfg.num_experts += ctx->shared_experts;
+    v.cfg.top_k += ctx->shared_experts;
+    return v;
+}
+
 /* route.cu */
 /* permute_tile_m > 0: the forward's tile height; the route kernel may then also run the permutation
  * (few tokens, built-in routing) and says so in *permuted. 0 (and permuted NULL): routing only. */
@@ -241,6 +254,11 @@ colibri_status_t colibri_cuda_permute_setup(CudaBackend *b, int32_t num_experts)
 colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              const int32_t *topk_ids, int32_t tile_m, bool pairs, int absorb,
                                              cudaStream_t stream);
+/* slot_ids / slot_wts [T, k + m]: each token's k routed slots (ids outside [0, E) become -1 and raise
+ * bad_id, as E.. are the shared slices' own), then the shared slices with weight 1 or the shared gate. */
+colibri_status_t colibri_cuda_launch_slots(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                           colibri_dtype_t act_dtype, const void *input, const int32_t *topk_ids,
+                                           const float *topk_weights, cudaStream_t stream);
 colibri_status_t colibri_cuda_launch_convert(const void *src, colibri_dtype_t src_dtype, void *dst,
                                              colibri_dtype_t dst_dtype, int64_t n, cudaStream_t stream);
 /* experts.cu and experts_plan.cu */

@@ -5,8 +5,9 @@
  * (permute.cuh): histogram, scan into offsets and the tile table, stable scatter. Beyond, two launches
  * over chunks: permute_count_kernel (per-chunk histograms; the last block scans) and
  * permute_scatter_kernel (block b starts expert e at offsets[e] plus chunks 0..b-1's counts). Ids out
- * of range get no position (inv = -1) and raise bad_id. Also convert_kernel, which casts activations
- * to the weight dtype for the tensor-core path. docs/cuda-design.md ("Permutation") says more.
+ * of range get no position (inv = -1) and raise bad_id. Also the shared expert's slots (shared_slots_kernel)
+ * and convert_kernel, which casts activations to the weight dtype for the tensor-core path.
+ * docs/cuda-design.md ("Permutation") says more.
  */
 #include "permute.cuh"
 
@@ -157,6 +158,53 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
     COLIBRI_CUDA_CHECK(colibri_launch(permute_scatter_kernel, dim3((unsigned)blocks), dim3((unsigned)threads),
                                       permute_multi_smem_bytes(E), stream, topk_ids, n, E, o,
                                       (const int32_t *)b->permute_hist));
+    return COLIBRI_OK;
+}
+
+/* One warp per token (colibri_cuda_launch_slots); the shared gate's dot in fp32, lanes strided over H
+ * and summed by shuffles (a fixed order: the same bits every run). */
+template <class TX>
+__global__ void __launch_bounds__(256) shared_slots_kernel(const int32_t *ids, const float *wts, const TX *x,
+                                                           const float *gate, int T, int E, int k, int m, int H,
+                                                           int32_t *sids, float *swts, int32_t *bad_id) {
+    pdl_begin();
+    const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, kk = k + m;
+    if (t >= T) return;
+    for (int j = lane; j < k; j += 32) {
+        const int e = ids[(size_t)t * k + j];
+        const bool ok = (unsigned)e < (unsigned)E;
+        if (!ok) *bad_id = 1;
+        sids[(size_t)t * kk + j] = ok ? e : -1;
+        swts[(size_t)t * kk + j] = wts[(size_t)t * k + j];
+    }
+    float g = 1.0f;
+    if (gate) {
+        float d = 0.0f;
+        for (int h = lane; h < H; h += 32) d = fmaf(gate[h], to_f32(x[(size_t)t * H + h]), d);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        g = 1.0f / (1.0f + expf(-d));
+    }
+    for (int j = lane; j < m; j += 32) {
+        sids[(size_t)t * kk + k + j] = E + j;
+        swts[(size_t)t * kk + k + j] = g;
+    }
+}
+
+colibri_status_t colibri_cuda_launch_slots(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                           colibri_dtype_t act_dtype, const void *input, const int32_t *topk_ids,
+                                           const float *topk_weights, cudaStream_t stream) {
+    const CudaBackend *b = (const CudaBackend *)ctx->backend;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const dim3 grid((unsigned)((num_tokens + 7) / 8));
+    cudaError_t err = cudaSuccess;
+    colibri_dispatch_dtype(act_dtype, [&](auto tx) {
+        using TX = typename decltype(tx)::type;
+        err = colibri_launch(shared_slots_kernel<TX>, grid, dim3(256), 0, stream, topk_ids, topk_weights,
+                             (const TX *)input, (const float *)b->shared_gate, (int)num_tokens, c->num_experts,
+                             c->top_k, ctx->shared_experts, c->hidden_size, b->slot_ids, b->slot_wts, b->bad_id);
+    });
+    COLIBRI_CUDA_CHECK(err);
     return COLIBRI_OK;
 }
 
