@@ -73,11 +73,11 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     }
     colibri_for_each_act([&](auto act) {
         using Act = decltype(act);
-        if constexpr (!std::is_same<Act, ActOai>::value) /* the plan reads one GLU entry: ActSilu's */
-            for (int lk = 0; lk < 2; lk++) {
-                b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
-                b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
-            }
+        const bool oai = std::is_same<Act, ActOai>::value; /* the plan reads one GLU entry: ActSilu's */
+        for (int lk = 0; lk < 2 && !oai; lk++) {
+            b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
+            b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
+        }
     });
     return COLIBRI_OK;
 }
