@@ -256,8 +256,18 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
     w.expert_offsets = expert_offsets;
     w.expert_weights_numel = expert_weights_numel;
     w.router_weight = router_weight;
-    /* this entry point has always ignored router_bias outside SIGMOID_BIAS routing */
-    w.router_bias = config && config->routing == COLIBRI_ROUTING_SIGMOID_BIAS ? router_bias : NULL;
+    /* this entry point has always ignored router_bias outside SIGMOID_BIAS routing, after checking that
+     * it is finite like every weight it is given */
+    const int sigmoid = config && config->routing == COLIBRI_ROUTING_SIGMOID_BIAS;
+    if (!sigmoid && router_weight && router_bias && config && config->num_experts > 0) {
+        colibri_status_t st;
+        free(copy_finite_floats(router_bias, (size_t)config->num_experts, "router_bias", &st));
+        if (st != COLIBRI_OK) {
+            if (out_ctx) *out_ctx = NULL;
+            return st;
+        }
+    }
+    w.router_bias = sigmoid ? router_bias : NULL;
     return colibri_moe_context_create(out_ctx, config, &w);
 }
 
