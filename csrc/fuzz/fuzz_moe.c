@@ -3,7 +3,9 @@
  *
  * The fuzzer's bytes become one layer and a few calls on it: a config (every field, valid or not: kinds,
  * dtypes, E, k, H, F small, routing, scaling NaN/Inf, chunk sizes, CPU or CUDA), a packed buffer whose
- * size and offsets may not fit, raw weight and router bits (so NaN and Inf), NULL pointers, and then
+ * size and offsets may not fit, raw weight and router bits (so NaN and Inf), NULL pointers, built by
+ * colibri_moe_context_init (appended config fields zero) or by colibri_moe_context_create (group limit,
+ * activation, expert biases, logit bias, shared expert and gate, each weight given or not), and then
  * forwards, routes and counter reads with random token counts, raw expert ids (out of range too) and
  * weights, optionally through a routing_fn that misbehaves on a chosen call. Every buffer is allocated to
  * its exact size, so ASan sees any read or write past it. The properties checked, besides "no crash":
@@ -119,19 +121,77 @@ static colibri_status_t fuzz_route(void *user, int64_t T, int32_t E, int32_t k, 
  * ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
+    int create; /* built by colibri_moe_context_create, else by colibri_moe_context_init */
     colibri_moe_config_t cfg;
     void *weights;
     uint64_t *offsets;
     uint64_t numel;
     float *router, *bias;
-    int null_out_ctx, null_config, null_weights, null_offsets;
+    /* create only: colibri_moe_weights_t's other pointers, and that struct itself NULL */
+    float *expert_bias, *logit_bias, *gate;
+    void *shared;
+    int null_out_ctx, null_config, null_weights, null_offsets, null_weight_struct;
     router_t router_fn;
 } layer_t;
 
 static int known_kind(colibri_expert_kind_t k) { return k == COLIBRI_EXPERT_SWIGLU || k == COLIBRI_EXPERT_LINEAR; }
 
+static size_t nonneg(int32_t v) { return v > 0 ? (size_t)v : 0; }
+
+/* The appended config fields, valid or not, and the weights they ask for: each given exactly when asked,
+ * or (half the time) some flipped; a buffer given where none is asked has the size it would have. */
+static void layer_take_appended(bytes_t *b, layer_t *L) {
+    colibri_moe_config_t *c = &L->cfg;
+    if (take_u8(b) % 4) {
+        /* mostly plausible values, so that layers with several features at once get created and run */
+        const int32_t E = c->num_experts > 0 ? c->num_experts : 1;
+        int32_t divisors[16], n = 0;
+        for (int32_t d = 1; d <= E && n < 16; d++)
+            if (E % d == 0) divisors[n++] = d;
+        c->n_group = take_u8(b) % 4 ? divisors[take_u8(b) % n] : 0;
+        /* enough groups for k experts, most of the time */
+        const int32_t size = E / (c->n_group > 1 ? c->n_group : 1), need = (c->top_k + size - 1) / size;
+        c->topk_group = take_range(b, 1, c->n_group > 1 ? c->n_group : 1);
+        if (take_u8(b) % 4 && c->topk_group < need && need <= c->n_group) c->topk_group = need;
+        c->group_score = (colibri_group_score_t)take_range(b, 0, 2);
+        c->activation = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? (colibri_activation_t)take_range(b, 0, 2)
+                                                                : COLIBRI_ACTIVATION_SILU;
+        c->activation_alpha = (float)take_range(b, 1, 8) / 2.0f;
+        c->activation_limit = (float)take_range(b, 1, 16) / 2.0f;
+        c->expert_bias = take_range(b, 0, 2);
+        c->shared_intermediate_size = c->expert_kind == COLIBRI_EXPERT_SWIGLU ? take_range(b, 0, 13) : 0;
+        c->shared_gate = c->shared_intermediate_size ? take_range(b, 0, 2) : 0;
+    } else {
+        c->n_group = take_range(b, -1, 11);
+        c->topk_group = take_range(b, -1, (int32_t)nonneg(c->n_group) + 3);
+        c->group_score = (colibri_group_score_t)take_range(b, 0, 3);
+        c->activation = (colibri_activation_t)take_range(b, 0, 3);
+        c->activation_alpha = take_special_float(b);
+        c->activation_limit = take_special_float(b);
+        c->expert_bias = take_range(b, 0, 3);
+        c->shared_intermediate_size = take_range(b, -1, 13);
+        c->shared_gate = take_range(b, 0, 3);
+    }
+
+    const uint8_t flips = take_u8(b), flip = flips & 0x80 ? flips : 0;
+    const size_t E = nonneg(c->num_experts), H = nonneg(c->hidden_size), F = nonneg(c->intermediate_size);
+    const size_t Fs = nonneg(c->shared_intermediate_size);
+    const size_t bias_row = c->expert_kind == COLIBRI_EXPERT_LINEAR ? F : 2 * F + H;
+    if ((c->expert_bias == 1) ^ (flip & 1)) L->expert_bias = take_floats(b, E * bias_row);
+    if ((c->shared_intermediate_size > 0) ^ (flip >> 1 & 1)) {
+        /* fp32 through take_floats so that finite weights are common; 16-bit dtypes as raw bits */
+        if (c->weight_dtype == COLIBRI_DTYPE_F32 || !colibri_dtype_size(c->weight_dtype))
+            L->shared = take_floats(b, 3 * Fs * H);
+        else
+            L->shared = take_buffer(b, 3 * Fs * H * colibri_dtype_size(c->weight_dtype));
+    }
+    if ((c->shared_gate == 1) ^ (flip >> 2 & 1)) L->gate = take_floats(b, H);
+    if (flips & 0x40) L->logit_bias = take_floats(b, E); /* with or without a router */
+}
+
 static void layer_take(bytes_t *b, layer_t *L) {
     memset(L, 0, sizeof *L);
+    L->create = take_u8(b) % 2;
     colibri_moe_config_t *c = &L->cfg;
     c->expert_kind = (colibri_expert_kind_t)take_range(b, 0, 3);
     c->weight_dtype = (colibri_dtype_t)take_range(b, 0, 4);
@@ -155,6 +215,7 @@ static void layer_take(bytes_t *b, layer_t *L) {
 
     const uint8_t nulls = take_u8(b);
     L->null_out_ctx = nulls == 1, L->null_config = nulls == 2, L->null_weights = nulls == 3, L->null_offsets = nulls == 4;
+    L->null_weight_struct = L->create && nulls == 5;
 
     /* the buffer: E experts back to back (in order, reversed or at raw offsets), maybe too short */
     const int E = c->num_experts > 0 ? c->num_experts : 0;
@@ -175,6 +236,7 @@ static void layer_take(bytes_t *b, layer_t *L) {
     const uint8_t router = take_u8(b);
     if (router % 4 != 0 && c->hidden_size > 0) L->router = take_floats(b, (size_t)E * (size_t)c->hidden_size);
     if (router / 4 % 2) L->bias = take_floats(b, (size_t)E);
+    if (L->create) layer_take_appended(b, L);
 }
 
 static void layer_free(layer_t *L) {
@@ -182,12 +244,15 @@ static void layer_free(layer_t *L) {
     free(L->offsets);
     free(L->router);
     free(L->bias);
+    free(L->expert_bias);
+    free(L->logit_bias);
+    free(L->gate);
+    free(L->shared);
 }
 
-/* The header's rules for init, written independently of colibri.c. */
-static int init_should_succeed(const layer_t *L) {
-    const colibri_moe_config_t *c = &L->cfg;
-    if (L->null_out_ctx || L->null_config || L->null_weights || L->null_offsets) return 0;
+/* The header's rules for the config fields that predate the appended ones, written independently of
+ * colibri.c; the same for init and create. */
+static int base_config_ok(const colibri_moe_config_t *c) {
     if (!known_kind(c->expert_kind) || !colibri_dtype_size(c->weight_dtype)) return 0;
     if (c->num_experts < 1 || c->top_k < 1 || c->top_k > c->num_experts) return 0;
     if (c->hidden_size < 1 || c->intermediate_size < 1) return 0;
@@ -195,12 +260,73 @@ static int init_should_succeed(const layer_t *L) {
     if (!(c->routed_scaling_factor > 0.0f) || !isfinite(c->routed_scaling_factor)) return 0;
     if (c->workspace_tokens < 0 || c->num_threads < 0 || c->device_id < 0) return 0;
     if (c->device != COLIBRI_DEVICE_CPU) return 0; /* this build has no CUDA backend */
+    return 1;
+}
+
+static int experts_fit(const layer_t *L) {
+    const colibri_moe_config_t *c = &L->cfg;
     const uint64_t n = colibri_expert_numel(c->expert_kind, c->hidden_size, c->intermediate_size);
     for (int e = 0; e < c->num_experts; e++)
         if (L->offsets[e] > L->numel || L->numel - L->offsets[e] < n) return 0;
+    return 1;
+}
+
+/* The header's rules for init, written independently of colibri.c. */
+static int init_should_succeed(const layer_t *L) {
+    const colibri_moe_config_t *c = &L->cfg;
+    if (L->null_out_ctx || L->null_config || L->null_weights || L->null_offsets) return 0;
+    if (!base_config_ok(c) || !experts_fit(L)) return 0;
     if (L->router) {
         if (!all_finite(L->router, (size_t)c->num_experts * (size_t)c->hidden_size)) return 0;
         if (L->bias && !all_finite(L->bias, (size_t)c->num_experts)) return 0;
+        if (c->routing == COLIBRI_ROUTING_SIGMOID_BIAS && !L->bias && !c->routing_fn) return 0;
+    }
+    return 1;
+}
+
+/* The header's rules for create, written independently of colibri.c: the appended fields' comments,
+ * colibri_routing_t's group limit, and "a weight the config asks for must be given, and one it does
+ * not ask for must be NULL". The fp32 arrays it copies must be finite, as the router always was. */
+static int create_should_succeed(const layer_t *L) {
+    const colibri_moe_config_t *c = &L->cfg;
+    if (L->null_out_ctx || L->null_config || L->null_weight_struct || L->null_weights || L->null_offsets) return 0;
+    if (!base_config_ok(c) || !experts_fit(L)) return 0;
+    const size_t E = (size_t)c->num_experts, H = (size_t)c->hidden_size, F = (size_t)c->intermediate_size;
+
+    /* "0 or 1: no group limit; else E % n_group == 0", with the topk_group and group_score it uses */
+    if (c->n_group != 0 && c->n_group != 1) {
+        if (c->num_experts % c->n_group) return 0;
+        if (c->topk_group < 1 || c->topk_group > c->n_group) return 0;
+        const int32_t size = c->num_experts / c->n_group;
+        if (c->top_k > c->topk_group * size) return 0;
+        if (c->group_score != COLIBRI_GROUP_SCORE_MAX && c->group_score != COLIBRI_GROUP_SCORE_TOP2_SUM) return 0;
+        if (c->group_score == COLIBRI_GROUP_SCORE_TOP2_SUM && size < 2) return 0; /* no two highest */
+    }
+    if (c->activation != COLIBRI_ACTIVATION_SILU && c->activation != COLIBRI_ACTIVATION_SWIGLU_OAI) return 0;
+    if (c->activation != COLIBRI_ACTIVATION_SILU && c->expert_kind != COLIBRI_EXPERT_SWIGLU) return 0;
+    if (c->activation == COLIBRI_ACTIVATION_SWIGLU_OAI &&
+        !(c->activation_alpha > 0.0f && isfinite(c->activation_alpha) && c->activation_limit > 0.0f &&
+          isfinite(c->activation_limit)))
+        return 0;
+    if ((unsigned)c->expert_bias > 1 || (unsigned)c->shared_gate > 1) return 0;
+    /* the shared expert is a SWIGLU expert of output width H, added to routed outputs of width H */
+    if (c->shared_intermediate_size < 0) return 0;
+    if (c->shared_intermediate_size > 0 && c->expert_kind != COLIBRI_EXPERT_SWIGLU) return 0;
+    if (c->shared_gate && c->shared_intermediate_size == 0) return 0; /* a gate on no expert */
+
+    /* given exactly when asked */
+    if ((L->expert_bias != NULL) != (c->expert_bias == 1)) return 0;
+    if ((L->shared != NULL) != (c->shared_intermediate_size > 0)) return 0;
+    if ((L->gate != NULL) != (c->shared_gate == 1)) return 0;
+    if (L->bias && c->routing != COLIBRI_ROUTING_SIGMOID_BIAS) return 0;
+    if (L->logit_bias && !L->router) return 0; /* added to logits there are none of */
+    const size_t bias_row = c->expert_kind == COLIBRI_EXPERT_LINEAR ? F : 2 * F + H;
+    if (L->expert_bias && !all_finite(L->expert_bias, E * bias_row)) return 0;
+    if (L->gate && !all_finite(L->gate, H)) return 0;
+    if (L->router) { /* as for init */
+        if (!all_finite(L->router, E * H)) return 0;
+        if (L->logit_bias && !all_finite(L->logit_bias, E)) return 0;
+        if (L->bias && !all_finite(L->bias, E)) return 0;
         if (c->routing == COLIBRI_ROUTING_SIGMOID_BIAS && !L->bias && !c->routing_fn) return 0;
     }
     return 1;
@@ -349,12 +475,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     bytes_t b = {data, size};
     layer_t L;
     layer_take(&b, &L);
-    colibri_moe_context_t *ctx = (colibri_moe_context_t *)&L; /* any non-NULL value: init must reset it */
-    const colibri_status_t st = colibri_moe_context_init(L.null_out_ctx ? NULL : &ctx, L.null_config ? NULL : &L.cfg,
-                                                         L.null_weights ? NULL : L.weights,
-                                                         L.null_offsets ? NULL : L.offsets, L.numel, L.router, L.bias);
-    require_status(st, init_should_succeed(&L), "context_init");
-    if (!L.null_out_ctx) REQUIRE((st == COLIBRI_OK) == (ctx != NULL), "init left ctx %p with status %d", (void *)ctx, (int)st);
+    colibri_moe_context_t *ctx = (colibri_moe_context_t *)&L; /* any non-NULL value: init and create must reset it */
+    colibri_status_t st;
+    if (L.create) {
+        const colibri_moe_weights_t w = {L.null_weights ? NULL : L.weights, L.null_offsets ? NULL : L.offsets, L.numel,
+                                         L.expert_bias, L.router, L.logit_bias, L.bias, L.shared, L.gate};
+        st = colibri_moe_context_create(L.null_out_ctx ? NULL : &ctx, L.null_config ? NULL : &L.cfg,
+                                        L.null_weight_struct ? NULL : &w);
+        require_status(st, create_should_succeed(&L), "context_create");
+    } else {
+        st = colibri_moe_context_init(L.null_out_ctx ? NULL : &ctx, L.null_config ? NULL : &L.cfg,
+                                      L.null_weights ? NULL : L.weights, L.null_offsets ? NULL : L.offsets, L.numel,
+                                      L.router, L.bias);
+        require_status(st, init_should_succeed(&L), "context_init");
+    }
+    if (!L.null_out_ctx) REQUIRE((st == COLIBRI_OK) == (ctx != NULL), "%s left ctx %p with status %d",
+                                    L.create ? "create" : "init", (void *)ctx, (int)st);
     if (st == COLIBRI_OK) {
         fuzz_calls(&b, &L, ctx);
         colibri_moe_context_destroy(ctx);
