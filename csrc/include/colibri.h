@@ -165,9 +165,10 @@ typedef struct {
 } colibri_moe_weights_t;
 
 /* Creates a context for one MoE layer. All pointers are HOST pointers.
- * On the CPU the expert and shared-expert weights are used in place (borrowed: they must outlive the
- * context, e.g. a memory-mapped checkpoint); on CUDA they are copied to the device once. The router,
- * its biases, the expert biases and the shared gate are copied (as fp32) in both cases. router_weight
+ * On the CPU the routed experts' weights are used in place (borrowed: they must outlive the context,
+ * e.g. a memory-mapped checkpoint); on CUDA they are copied to the device once. The shared expert's
+ * weights are copied (cut into slices of width F), and the router, its biases, the expert biases and
+ * the shared gate are copied (as fp32), in both cases. router_weight
  * may be NULL only if every forward passes topk_ids or the config has a routing_fn. A weight the
  * config asks for must be given, and one it does not ask for must be NULL (so nothing given is
  * silently unused). */
