@@ -469,7 +469,11 @@ def main():
             torch.cuda.empty_cache()
     for name in FAMILY_SHAPES:
         if name in wanted:
-            bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=[int(t) for t in args.tokens.split(",") if t])
+            try:  # a family row that fails still leaves the run's other rows in the JSON
+                bench_family(lib, timer, name, copy_bw, mm_rate, rows,
+                             tokens=[int(t) for t in args.tokens.split(",") if t])
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                print(f"{name}: failed: {err}", file=sys.stderr)
             torch.cuda.empty_cache()
     run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate, reps=args.reps,
                flush=args.flush, rows=rows)
