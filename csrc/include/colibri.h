@@ -22,6 +22,14 @@
  * steps, as PyTorch does in bf16 (the CPU does so for bf16 x bf16, CUDA for 16-bit weights); the
  * tests' error limits per dtype allow for it.
  *
+ * fp8 weights (weight_dtype COLIBRI_DTYPE_F8E4M3): every matrix [N, K] of an expert (and of the shared
+ * expert) comes with an fp32 scale grid [ceil(N / bn), ceil(K / bk)], row-major, bn = scale_block_n and
+ * bk = scale_block_k (0: the whole dimension; (128, 128) is DeepSeek-V3's block layout, (1, 0) per
+ * output channel, (0, 0) per tensor); the layer computes with w[n, k] = fp8(w)[n, k] * scale[n / bn, k / bk]
+ * exactly (the CPU does, in fp32). A GPU may quantise activations to fp8 per token and 128 inputs for
+ * the fp8 tensor cores (as DeepSeek's kernels do), and rounds intermediates to bf16; the tests' fp8
+ * limits allow for it. An expert's grids lie back to back: gate, up, down (SWIGLU) or w (LINEAR).
+ *
  * Errors travel as values: every call returns a colibri_status_t; colibri_status_string() names it
  * and colibri_last_error() gives the message of the last failure on the calling thread. The library
  * never exits and never prints. Enums are append-only.
@@ -56,7 +64,9 @@ typedef enum {
 typedef enum {
     COLIBRI_DTYPE_F32 = 0,
     COLIBRI_DTYPE_F16 = 1,
-    COLIBRI_DTYPE_BF16 = 2
+    COLIBRI_DTYPE_BF16 = 2,
+    COLIBRI_DTYPE_F8E4M3 = 3   /* weights only: fp8 e4m3 as OCP's "e4m3fn" (no inf, 0x7f/0xff NaN, max 448),
+                                  dequantised as value * scale (colibri_moe_config_t.scale_block_n) */
 } colibri_dtype_t;
 
 typedef enum {
@@ -148,6 +158,8 @@ typedef struct {
     int32_t expert_bias;              /* 1: colibri_moe_weights_t.expert_bias is given */
     int32_t shared_intermediate_size; /* Fs >= 0; 0 = no shared expert */
     int32_t shared_gate;              /* 1: the shared expert's output is scaled by sigmoid(shared_gate . x) */
+    int32_t scale_block_n;            /* fp8 weights: rows of a matrix one scale covers, 0 = all; else 0 */
+    int32_t scale_block_k;            /* fp8 weights: columns one scale covers, 0 = all; else 0 */
 } colibri_moe_config_t;
 
 /* Every weight of a layer, HOST pointers (see colibri_moe_context_create). */
@@ -162,6 +174,10 @@ typedef struct {
     const float *router_bias;         /* [E] fp32, SIGMOID_BIAS's selection-only correction, else NULL */
     const void *shared_weights;       /* shared expert, weight_dtype: gate [Fs,H], up [Fs,H], down [H,Fs] */
     const float *shared_gate_weight;  /* [H] fp32 when config.shared_gate, else NULL */
+    const float *expert_scales;       /* fp8 weights: [E, colibri_scales_numel(kind, H, F, bn, bk)] fp32, the
+                                         scale grids of each expert (see the top of the file); else NULL */
+    const float *shared_scales;       /* fp8 weights with a shared expert: its gate, up and down grids
+                                         (colibri_scales_numel(SWIGLU, H, Fs, bn, bk) fp32); else NULL */
 } colibri_moe_weights_t;
 
 /* Creates a context for one MoE layer. All pointers are HOST pointers.
@@ -244,6 +260,8 @@ int32_t colibri_cuda_device_count(void);  /* 0 without CUDA or without a device 
 size_t colibri_dtype_size(colibri_dtype_t dtype);           /* 0 for an unknown dtype */
 uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size,
                               int32_t intermediate_size);   /* elements of one expert, 0 if invalid */
+uint64_t colibri_scales_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size,
+                              int32_t scale_block_n, int32_t scale_block_k); /* fp8 scales of one expert, 0 if invalid */
 
 /* COLIBRI_CDEF_END */
 

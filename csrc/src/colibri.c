@@ -81,6 +81,20 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
         return colibri_set_error(bad, "config.shared_gate must be 0 or 1, got %d", c->shared_gate);
     if (c->shared_gate && c->shared_intermediate_size == 0)
         return colibri_set_error(bad, "config.shared_gate is 1 but there is no shared expert");
+    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) {
+        if (c->scale_block_n < 0 || c->scale_block_k < 0)
+            return colibri_set_error(bad, "config.scale_block_n and scale_block_k must be >= 0, got %d, %d",
+                                     c->scale_block_n, c->scale_block_k);
+        /* the shared expert runs as slices of width F: each slice must start on a scale block */
+        const int32_t F = c->intermediate_size, bn = c->scale_block_n, bk = c->scale_block_k;
+        if (c->shared_intermediate_size > F && ((bn > 0 && F % bn) || (bk > 0 && F % bk)))
+            return colibri_set_error(COLIBRI_ERR_UNSUPPORTED,
+                                     "an fp8 shared expert wider than intermediate_size=%d needs it to be a multiple "
+                                     "of the scale block (%d, %d)", F, bn, bk);
+    } else if (c->scale_block_n != 0 || c->scale_block_k != 0) {
+        return colibri_set_error(bad, "config.scale_block_n and scale_block_k apply to fp8 weights only (got %d, %d)",
+                                 c->scale_block_n, c->scale_block_k);
+    }
     return COLIBRI_OK;
 }
 
@@ -89,6 +103,7 @@ static const char *cuda_missing(const colibri_moe_config_t *c, const colibri_moe
     (void)w;
     /* the warp top-k ranks the groups with one lane each */
     if (c->n_group > 32) return "group-limited routing with more than 32 groups";
+    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) return "fp8 weights";
     /* the shared slices take SiLU while the routed experts take the OAI tag: one tag per launch */
     if (c->shared_intermediate_size > 0 && c->activation != COLIBRI_ACTIVATION_SILU)
         return "a shared expert beside the SWIGLU_OAI activation";
@@ -114,6 +129,7 @@ static float *copy_finite_floats(const float *src, size_t n, const char *name, c
 }
 
 static void free_context(colibri_moe_context_t *ctx) {
+    free(ctx->expert_scales);
     free(ctx->router_weight);
     free(ctx->router_logit_bias);
     free(ctx->router_bias);
@@ -151,6 +167,34 @@ static void *repack_shared(const colibri_moe_config_t *c, const void *shared, in
     return dst;
 }
 
+/* The shared expert's scale grids cut like its weights (repack_shared): slice i's row blocks of gate and
+ * up, and column blocks of down, are the shared grids' blocks from i F on (validate_config checked that F
+ * is a multiple of the blocks where that matters); blocks past the shared grid scale zero rows: 0. */
+static void repack_shared_scales(const colibri_moe_config_t *c, const float *shared, int32_t m, uint64_t numel,
+                                 float *dst) {
+    const int32_t H = c->hidden_size, F = c->intermediate_size, Fs = c->shared_intermediate_size;
+    const int32_t bn = c->scale_block_n, bk = c->scale_block_k;
+    const int32_t sr = colibri_scale_blocks(Fs, bn), kc = colibri_scale_blocks(H, bk);      /* shared gate, up */
+    const int32_t hr = colibri_scale_blocks(H, bn), sc = colibri_scale_blocks(Fs, bk);      /* shared down */
+    const int32_t fr = colibri_scale_blocks(F, bn), fc = colibri_scale_blocks(F, bk);       /* a slice's */
+    const float *gate = shared, *up = gate + (size_t)sr * kc, *down = up + (size_t)sr * kc;
+    for (int32_t i = 0; i < m; i++) {
+        float *g = dst + (size_t)i * numel, *u = g + (size_t)fr * kc, *d = u + (size_t)fr * kc;
+        for (int32_t r = 0; r < fr; r++) {
+            const int32_t from = bn > 0 ? (int32_t)((int64_t)i * F / bn) + r : 0;
+            for (int32_t q = 0; q < kc; q++) {
+                g[(size_t)r * kc + q] = from < sr ? gate[(size_t)from * kc + q] : 0.0f;
+                u[(size_t)r * kc + q] = from < sr ? up[(size_t)from * kc + q] : 0.0f;
+            }
+        }
+        for (int32_t r = 0; r < hr; r++)
+            for (int32_t q = 0; q < fc; q++) {
+                const int32_t from = bk > 0 ? (int32_t)((int64_t)i * F / bk) + q : 0;
+                d[(size_t)r * fc + q] = from < sc ? down[(size_t)r * sc + from] : 0.0f;
+            }
+    }
+}
+
 colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, const colibri_moe_config_t *config,
                                             const colibri_moe_weights_t *w) {
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
@@ -172,6 +216,11 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
         (st = check_given(w->shared_weights, c->shared_intermediate_size > 0, "shared_weights",
                           "config.shared_intermediate_size > 0")) ||
         (st = check_given(w->shared_gate_weight, c->shared_gate, "shared_gate_weight", "config.shared_gate is 1")))
+        return st;
+    const int fp8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
+    if ((st = check_given(w->expert_scales, fp8, "expert_scales", "the weights are fp8")) ||
+        (st = check_given(w->shared_scales, fp8 && c->shared_intermediate_size > 0, "shared_scales",
+                          "the weights are fp8 and there is a shared expert")))
         return st;
     if (w->router_logit_bias && !w->router_weight)
         return colibri_set_error(bad, "weights.router_logit_bias is given without router_weight");
@@ -210,6 +259,26 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
         }
         /* not checked for finiteness: colibri.h ranks the shared weights with the experts' (weight_dtype,
          * taken as they are), not with the fp32 arrays it copies and checks */
+    }
+    if (fp8) {
+        /* checked finite like the other fp32 weights; the shared slices' grids follow the routed experts' */
+        const uint64_t n = colibri_scales_numel(c->expert_kind, c->hidden_size, c->intermediate_size,
+                                                c->scale_block_n, c->scale_block_k);
+        const size_t routed = (size_t)E * n, all = (size_t)colibri_all_experts(ctx) * n;
+        ctx->scales_numel = n;
+        ctx->expert_scales = copy_finite_floats(w->expert_scales, routed, "expert_scales", &st);
+        float *grown = st == COLIBRI_OK ? (float *)realloc(ctx->expert_scales, all * sizeof(float)) : NULL;
+        if (st == COLIBRI_OK && !grown) st = colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate expert_scales");
+        if (st != COLIBRI_OK) { free_context(ctx); return st; }
+        ctx->expert_scales = grown;
+        if (ctx->shared_experts > 0) {
+            const uint64_t sn = colibri_scales_numel(COLIBRI_EXPERT_SWIGLU, c->hidden_size,
+                                                     c->shared_intermediate_size, c->scale_block_n, c->scale_block_k);
+            float *shared = copy_finite_floats(w->shared_scales, (size_t)sn, "shared_scales", &st);
+            if (st != COLIBRI_OK) { free_context(ctx); return st; }
+            repack_shared_scales(c, shared, ctx->shared_experts, n, grown + routed);
+            free(shared);
+        }
     }
     if (c->expert_bias) {
         const size_t row = (size_t)ctx->bias_numel, all = (size_t)colibri_all_experts(ctx) * row;
@@ -274,8 +343,9 @@ colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tok
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
     if (!ctx) return colibri_set_error(bad, "ctx is NULL");
     if (num_tokens < 0) return colibri_set_error(bad, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    size_t act_size = colibri_dtype_size(act_dtype);
-    if (act_size == 0) return colibri_set_error(bad, "act_dtype %d is not a known dtype", (int)act_dtype);
+    size_t act_size = act_dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(act_dtype);
+    if (act_size == 0)
+        return colibri_set_error(bad, "act_dtype %d is not an activation dtype (fp32, fp16 or bf16)", (int)act_dtype);
     if (num_tokens == 0) return COLIBRI_OK;
     if (!input) return colibri_set_error(bad, "input is NULL");
     if (!output) return colibri_set_error(bad, "output is NULL");
@@ -309,8 +379,9 @@ colibri_status_t colibri_moe_route(colibri_moe_context_t *ctx, int64_t num_token
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
     if (!ctx) return colibri_set_error(bad, "ctx is NULL");
     if (num_tokens < 0) return colibri_set_error(bad, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    size_t act_size = colibri_dtype_size(act_dtype);
-    if (act_size == 0) return colibri_set_error(bad, "act_dtype %d is not a known dtype", (int)act_dtype);
+    size_t act_size = act_dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(act_dtype);
+    if (act_size == 0)
+        return colibri_set_error(bad, "act_dtype %d is not an activation dtype (fp32, fp16 or bf16)", (int)act_dtype);
     if (!ctx->router_weight && !ctx->cfg.routing_fn)
         return colibri_set_error(bad, "no routing: the context has no router weights and no routing_fn");
     if (num_tokens == 0) return COLIBRI_OK;

@@ -46,6 +46,7 @@ size_t colibri_dtype_size(colibri_dtype_t dtype) {
     case COLIBRI_DTYPE_F32: return 4;
     case COLIBRI_DTYPE_F16: return 2;
     case COLIBRI_DTYPE_BF16: return 2;
+    case COLIBRI_DTYPE_F8E4M3: return 1;
     }
     return 0;
 }
@@ -56,6 +57,19 @@ uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size, i
     switch (kind) {
     case COLIBRI_EXPERT_SWIGLU: return 3 * hf;
     case COLIBRI_EXPERT_LINEAR: return hf;
+    }
+    return 0;
+}
+
+uint64_t colibri_scales_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size,
+                              int32_t scale_block_n, int32_t scale_block_k) {
+    if (hidden_size < 1 || intermediate_size < 1 || scale_block_n < 0 || scale_block_k < 0) return 0;
+    const int32_t H = hidden_size, F = intermediate_size, bn = scale_block_n, bk = scale_block_k;
+    const uint64_t first = (uint64_t)colibri_scale_blocks(F, bn) * (uint64_t)colibri_scale_blocks(H, bk);
+    switch (kind) {
+    case COLIBRI_EXPERT_SWIGLU:
+        return 2 * first + (uint64_t)colibri_scale_blocks(H, bn) * (uint64_t)colibri_scale_blocks(F, bk);
+    case COLIBRI_EXPERT_LINEAR: return first;
     }
     return 0;
 }

@@ -32,9 +32,23 @@ struct colibri_moe_context {
     float *router_logit_bias;      /* [E] fp32 host copy, or NULL */
     float *router_bias;            /* [E] fp32 host copy (SIGMOID_BIAS only), or NULL */
     float *shared_gate;            /* [H] fp32 host copy, or NULL */
+    uint64_t scales_numel;         /* fp8 weights: scales of one expert (colibri_scales_numel), else 0 */
+    float *expert_scales;          /* fp8 weights: [E + m, scales_numel] fp32 host copy (the shared slices'
+                                      grids after the routed experts'), else NULL */
     const struct colibri_backend *ops; /* the backend this context runs on */
     void *backend;                 /* backend-owned state */
 };
+
+/* Blocks of `block` (0: one block of all) along a dimension of n elements: a scale grid's extent. */
+static inline int32_t colibri_scale_blocks(int32_t n, int32_t block) { return block > 0 ? (n + block - 1) / block : 1; }
+
+/* Where the scale grid of an expert's matrix starts in its scales row: SWIGLU gate (0), up (1), down (2);
+ * LINEAR w (0). Grids are [colibri_scale_blocks(N, bn), colibri_scale_blocks(K, bk)] row-major. */
+static inline uint64_t colibri_scale_grid_offset(const colibri_moe_config_t *c, int matrix) {
+    const uint64_t first = (uint64_t)colibri_scale_blocks(c->intermediate_size, c->scale_block_n) *
+                           (uint64_t)colibri_scale_blocks(c->hidden_size, c->scale_block_k);
+    return (uint64_t)matrix * first;
+}
 
 /* Experts the backends run: the routed ones and the shared expert's slices. */
 static inline int32_t colibri_all_experts(const struct colibri_moe_context *ctx) {

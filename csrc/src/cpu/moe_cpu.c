@@ -141,6 +141,14 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | (uint16_t)nearbyintf(bits_to_f32(a) * 0x1p24f));
 }
 
+/* fp8 e4m3 ("e4m3fn": bias 7, no inf; S.1111.111 is NaN) to fp32, exactly. */
+static inline float f8e4m3_to_f32(uint8_t b) {
+    const uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 15, m = b & 7;
+    if (e == 15 && m == 7) return bits_to_f32(sign | 0x7fc00000u);
+    if (e == 0) return bits_to_f32(sign | f32_to_bits((float)m * 0x1p-9f)); /* subnormal: m 2^-9 */
+    return bits_to_f32(sign | (e + 120) << 23 | m << 20);
+}
+
 /* dst[i] = src[offset + i] as fp32 for i < n. */
 static void load_f32(float *dst, const void *src, colibri_dtype_t dtype, uint64_t offset, int64_t n) {
     int64_t i = 0;
@@ -159,6 +167,11 @@ static void load_f32(float *dst, const void *src, colibri_dtype_t dtype, uint64_
         for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
 #endif
         for (; i < n; i++) dst[i] = f16_to_f32(s[i]);
+        return;
+    }
+    case COLIBRI_DTYPE_F8E4M3: {
+        const uint8_t *s = (const uint8_t *)src + offset;
+        for (; i < n; i++) dst[i] = f8e4m3_to_f32(s[i]);
         return;
     }
     }
@@ -185,6 +198,7 @@ static void store_f32(void *dst, colibri_dtype_t dtype, uint64_t offset, const f
         for (; i < n; i++) d[i] = f32_to_f16(src[i]);
         return;
     }
+    case COLIBRI_DTYPE_F8E4M3: return; /* fp8 is a weight dtype only: nothing is stored in it */
     }
 }
 
@@ -232,15 +246,31 @@ static ALWAYS_INLINE void dot_tile(const int nt, const void *const *x, int64_t x
         for (int r = 0; r < nr_store; r++) out[c * ld + r] = accumulate ? out[c * ld + r] + sums[c][r] : sums[c][r];
 }
 
-/* The fp32 projection: each K_CHUNK-wide slice of the rows is converted to fp32 once into wbuf and
- * reused by every token. */
+/* fp8 weights: the scale grid of the matrix a projection reads (colibri.h) and the matrix row of its
+ * first weight row; grid NULL for the other dtypes. */
+typedef struct {
+    const float *grid;
+    int32_t bn, bk, cols; /* the config's blocks (0: whole dimension) and the grid's columns */
+    int64_t row0;
+} wscale_t;
+
+/* The fp32 projection: each K_CHUNK-wide slice of the rows is converted to fp32 once into wbuf (fp8:
+ * times its scale, so the product is the dequantised weight rounded once to fp32) and reused by every
+ * token. */
 static void project_f32(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
-                        const void *const *x, int64_t n, float *out, int64_t ld, float *wbuf) {
+                        const void *const *x, int64_t n, float *out, int64_t ld, float *wbuf, const wscale_t *sc) {
     for (int64_t i0 = 0; i0 < in; i0 += K_CHUNK) {
         const int64_t len = min64(K_CHUNK, in - i0), padded = round_up(len, ROW_PAD);
         for (int r = 0; r < nrows; r++) {
             float *dst = wbuf + (int64_t)r * K_CHUNK;
             load_f32(dst, w, wdtype, w_offset + (uint64_t)r * (uint64_t)in + (uint64_t)i0, len);
+            if (sc && sc->grid) {
+                const float *srow = sc->grid + (sc->bn > 0 ? (sc->row0 + r) / sc->bn : 0) * sc->cols;
+                if (sc->bk > 0)
+                    for (int64_t i = 0; i < len; i++) dst[i] *= srow[(i0 + i) / sc->bk];
+                else
+                    for (int64_t i = 0; i < len; i++) dst[i] *= srow[0];
+            }
             for (int64_t i = len; i < padded; i++) dst[i] = 0.0f; /* x is zero there too; keeps NaN weights out */
         }
         const int accumulate = i0 > 0;
@@ -348,7 +378,8 @@ static void project_bf16(const uint16_t *w, int64_t in, int nrows, const void *c
  * at element w_offset + r * in of the packed weights (stored dtype) and the x rows are zero-padded to a
  * multiple of ROW_PAD: bf16 rows when x_bf16 (then W is bf16 too), fp32 rows otherwise. */
 static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, int64_t in, int nrows,
-                    const void *const *x, int x_bf16, int64_t n, float *out, int64_t ld, float *wbuf) {
+                    const void *const *x, int x_bf16, int64_t n, float *out, int64_t ld, float *wbuf,
+                    const wscale_t *sc) {
 #if HAVE_BF16_DOT
     if (x_bf16) {
         project_bf16((const uint16_t *)w + w_offset, in, nrows, x, n, out, ld);
@@ -356,7 +387,7 @@ static void project(const void *w, colibri_dtype_t wdtype, uint64_t w_offset, in
     }
 #endif
     (void)x_bf16;
-    project_f32(w, wdtype, w_offset, in, nrows, x, n, out, ld, wbuf);
+    project_f32(w, wdtype, w_offset, in, nrows, x, n, out, ld, wbuf, sc);
 }
 
 /* ---- 2b. the bf16 x bf16 projection for many tokens: tokens in the vector lanes ----------------
@@ -519,7 +550,7 @@ static void router_logits(const colibri_moe_context_t *ctx, cpu_state_t *s, int6
         const int64_t t0 = b / row_blocks * TILE_TOKENS, e0 = b % row_blocks * ROW_BLOCK;
         project(ctx->router_weight, COLIBRI_DTYPE_F32, (uint64_t)(e0 * ctx->cfg.hidden_size), ctx->cfg.hidden_size,
                 (int)min64(ROW_BLOCK, E - e0), (const void *const *)s->token_rows + t0, 0, min64(TILE_TOKENS, T - t0),
-                s->logits + t0 * E + e0, E, s->wbuf + (int64_t)omp_get_thread_num() * ROW_BLOCK * K_CHUNK);
+                s->logits + t0 * E + e0, E, s->wbuf + (int64_t)omp_get_thread_num() * ROW_BLOCK * K_CHUNK, NULL);
     }
     if (ctx->router_logit_bias)
         for (int64_t t = 0; t < T; t++)
@@ -653,10 +684,10 @@ static void pack_token_lanes(cpu_state_t *s) {
 
 /* Expert e's projection by nrows weight rows from w_offset (row stride in) into out[c * ld + r]: the
  * token-lane kernel when the expert's inputs are packed (packed: vector 0 of that buffer), else project
- * on its rows. */
+ * on its rows. fp8 weights: the rows are row0.. of the expert's matrix `matrix` (colibri_scale_grid_offset). */
 static void project_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int32_t e, uint64_t w_offset, int64_t in,
                            int nrows, const void *const *rows, const uint32_t *packed, float *out, int64_t ld,
-                           float *scratch) {
+                           float *scratch, int matrix, int64_t row0) {
     const int32_t start = s->expert_start[e], n = s->expert_start[e + 1] - start, lanes = s->lane_tokens[e];
 #if HAVE_BF16_DOT
     if (lanes > 0) {
@@ -666,9 +697,17 @@ static void project_expert(const colibri_moe_context_t *ctx, cpu_state_t *s, int
 #else
     (void)packed;
 #endif
+    wscale_t sc = {NULL, 0, 0, 0, row0};
+    if (ctx->expert_scales) {
+        const colibri_moe_config_t *c = &ctx->cfg;
+        sc.grid = ctx->expert_scales + (uint64_t)e * ctx->scales_numel + colibri_scale_grid_offset(c, matrix);
+        sc.bn = c->scale_block_n;
+        sc.bk = c->scale_block_k;
+        sc.cols = colibri_scale_blocks((int32_t)in, sc.bk);
+    }
     if (n > lanes)
         project(s->base[e], ctx->cfg.weight_dtype, w_offset, in, nrows, rows + start + lanes, s->bf16_dot, n - lanes,
-                out + lanes * ld, ld, scratch);
+                out + lanes * ld, ld, scratch, &sc);
 }
 
 /* One task per (touched expert, block of ROW_BLOCK of its `rows` output rows); returns how many. */
@@ -738,8 +777,8 @@ static void swiglu_gate_up(const colibri_moe_context_t *ctx, cpu_state_t *s) {
         const int nrows = (int)min64(ROW_BLOCK, F - row0);
         const uint64_t gate = s->offsets[e] + (uint64_t)(row0 * H), up = gate + (uint64_t)(F * H);
         float *tile = s->tile + tid * P * ld, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
-        project_expert(ctx, s, e, gate, H, nrows, s->x_rows, s->x_packed, tile, ld, wbuf);
-        project_expert(ctx, s, e, up, H, nrows, s->x_rows, s->x_packed, tile + ROW_BLOCK, ld, wbuf);
+        project_expert(ctx, s, e, gate, H, nrows, s->x_rows, s->x_packed, tile, ld, wbuf, 0, row0);
+        project_expert(ctx, s, e, up, H, nrows, s->x_rows, s->x_packed, tile + ROW_BLOCK, ld, wbuf, 1, row0);
         int64_t packed_at[ROW_BLOCK]; /* where hidden column row0 + r of lane 0 goes in a packed vector (2b) */
         for (int r = 0; r < nrows; r++) packed_at[r] = packed_slot((row0 + r) / 2, s->fp / 32) * LANES * 2 + (row0 + r) % 2;
         if (ctx->expert_bias) { /* gate and up biases, before the activation */
@@ -786,7 +825,7 @@ static void project_to_y(const colibri_moe_context_t *ctx, cpu_state_t *s, uint6
         const int nrows = (int)min64(ROW_BLOCK, out - row0);
         float *tile = s->tile + tid * P * 2 * ROW_BLOCK, *wbuf = s->wbuf + (int64_t)tid * ROW_BLOCK * K_CHUNK;
         project_expert(ctx, s, e, s->offsets[e] + skip + (uint64_t)(row0 * in), in, nrows, rows, packed, tile, ROW_BLOCK,
-                       wbuf);
+                       wbuf, skip ? 2 : 0, row0);
         if (ctx->expert_bias) {
             const float *b = ctx->expert_bias + (int64_t)e * ctx->bias_numel + bias_at + row0;
             for (int32_t c = 0; c < n; c++)
