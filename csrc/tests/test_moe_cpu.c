@@ -76,8 +76,18 @@ static double bf16_to_double(uint16_t h) {
     return f;
 }
 
+/* fp8 e4m3 ("e4m3fn"): bias 7, no infinities, S.1111.111 is NaN. */
+static double f8_to_double(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const double sign = (b & 0x80) ? -1.0 : 1.0;
+    if (e == 15 && m == 7) return NAN;
+    if (e == 0) return sign * ldexp(m, -9);
+    return sign * ldexp(8 + m, e - 10);
+}
+
 static double decode(const void *p, colibri_dtype_t d, size_t i) {
     if (d == COLIBRI_DTYPE_F32) return ((const float *)p)[i];
+    if (d == COLIBRI_DTYPE_F8E4M3) return f8_to_double(((const uint8_t *)p)[i]);
     uint16_t h = ((const uint16_t *)p)[i];
     return d == COLIBRI_DTYPE_F16 ? half_to_double(h) : bf16_to_double(h);
 }
@@ -85,6 +95,16 @@ static double decode(const void *p, colibri_dtype_t d, size_t i) {
 /* Stores v (|v| well inside the dtype's range) by truncation: the test only needs representable values,
  * which it then decodes exactly for the reference. */
 static void encode_trunc(void *p, colibri_dtype_t d, size_t i, double v) {
+    if (d == COLIBRI_DTYPE_F8E4M3) { /* |v| < 448 */
+        const uint8_t sign = signbit(v) ? 0x80 : 0;
+        const double a = fabs(v);
+        int e2;
+        frexp(a, &e2); /* a = f 2^e2, f in [0.5, 1): the leading bit is 2^(e2 - 1) */
+        if (isnan(v)) ((uint8_t *)p)[i] = 0x7f;
+        else if (a < 0x1p-6) ((uint8_t *)p)[i] = (uint8_t)(sign | (uint8_t)(a * 0x1p9)); /* subnormal */
+        else ((uint8_t *)p)[i] = (uint8_t)(sign | (e2 - 1 + 7) << 3 | ((int)ldexp(a, 4 - e2) & 7));
+        return;
+    }
     float f = (float)v;
     uint32_t u;
     memcpy(&u, &f, sizeof u);
@@ -102,6 +122,7 @@ static void encode_trunc(void *p, colibri_dtype_t d, size_t i, double v) {
 
 static void poison(void *p, colibri_dtype_t d, size_t n) {
     for (size_t i = 0; i < n; i++) {
+        if (d == COLIBRI_DTYPE_F8E4M3) { ((uint8_t *)p)[i] = 0x7f; continue; }
         if (d == COLIBRI_DTYPE_F32) ((float *)p)[i] = NAN;
         else ((uint16_t *)p)[i] = d == COLIBRI_DTYPE_F16 ? 0x7e00 : 0x7fc0;
     }
@@ -127,6 +148,8 @@ typedef struct {
     void *shared;        /* [3 * Fs * H] cfg.weight_dtype, or NULL */
     double *sd;          /* decoded */
     float *shared_gate;  /* [H] or NULL */
+    float *scales;       /* fp8: [E, scales per expert] (layer_scale_fp8), else NULL */
+    float *shared_scales;
 } layer_t;
 
 static void layer_free(layer_t *L) {
@@ -140,6 +163,8 @@ static void layer_free(layer_t *L) {
     free(L->shared);
     free(L->sd);
     free(L->shared_gate);
+    free(L->scales);
+    free(L->shared_scales);
     memset(L, 0, sizeof *L);
 }
 
@@ -241,13 +266,57 @@ static void layer_add_features(layer_t *L, int features, int n_group) {
     }
 }
 
+/* Scales of blocks bn x bk (0: whole dimension) along n elements: the grid's extent. */
+static int blocks_of(int n, int b) { return b > 0 ? (n + b - 1) / b : 1; }
+
+/* Multiplies the matrix [N, K] of decoded fp8 values at m by its random scale grid (written to grid,
+ * returned past its end), as colibri.h defines fp8 weights. */
+static float *scale_matrix(double *m, int N, int K, int bn, int bk, float *grid) {
+    const int rows = blocks_of(N, bn), cols = blocks_of(K, bk);
+    for (int i = 0; i < rows * cols; i++) grid[i] = (float)uniform(0.5, 2.0);
+    for (int n = 0; n < N; n++)
+        for (int k = 0; k < K; k++)
+            m[(size_t)n * K + k] *= grid[(bn > 0 ? n / bn : 0) * cols + (bk > 0 ? k / bk : 0)];
+    return grid + rows * cols;
+}
+
+/* Gives an fp8 layer (layer_make, layer_add_features with COLIBRI_DTYPE_F8E4M3) random scale grids of
+ * blocks bn x bk and folds them into the decoded weights the reference uses. */
+static void layer_scale_fp8(layer_t *L, int bn, int bk) {
+    colibri_moe_config_t *c = &L->cfg;
+    const int E = c->num_experts, H = c->hidden_size, F = c->intermediate_size, Fs = c->shared_intermediate_size;
+    const int swiglu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
+    c->scale_block_n = bn, c->scale_block_k = bk;
+    const size_t per = swiglu ? 2 * (size_t)blocks_of(F, bn) * blocks_of(H, bk) + (size_t)blocks_of(H, bn) * blocks_of(F, bk)
+                              : (size_t)blocks_of(F, bn) * blocks_of(H, bk);
+    CHECK(colibri_scales_numel(c->expert_kind, H, F, bn, bk) == per, "colibri_scales_numel %llu, want %zu",
+          (unsigned long long)colibri_scales_numel(c->expert_kind, H, F, bn, bk), per);
+    L->scales = malloc((size_t)E * per * sizeof(float));
+    const uint64_t n = colibri_expert_numel(c->expert_kind, H, F);
+    for (int e = 0; e < E; e++) {
+        double *w = L->wd + (size_t)e * n;
+        float *g = scale_matrix(w, F, H, bn, bk, L->scales + (size_t)e * per); /* gate, or LINEAR's w */
+        if (swiglu) scale_matrix(w + 2 * (size_t)F * H, H, F, bn, bk, scale_matrix(w + (size_t)F * H, F, H, bn, bk, g));
+    }
+    if (L->shared) {
+        L->shared_scales = malloc(colibri_scales_numel(COLIBRI_EXPERT_SWIGLU, H, Fs, bn, bk) * sizeof(float));
+        float *g = scale_matrix(L->sd, Fs, H, bn, bk, L->shared_scales);
+        g = scale_matrix(L->sd + (size_t)Fs * H, Fs, H, bn, bk, g);
+        scale_matrix(L->sd + 2 * (size_t)Fs * H, H, Fs, bn, bk, g);
+    }
+}
+
 /* The layers with appended features go through colibri_moe_context_create, the others through
  * colibri_moe_context_init, so both entry points stay tested. */
 static colibri_status_t layer_init(const layer_t *L, colibri_moe_context_t **ctx) {
-    if (!L->logit_bias && !L->expert_bias && !L->shared && !L->cfg.n_group && !L->cfg.activation)
+    if (!L->logit_bias && !L->expert_bias && !L->shared && !L->cfg.n_group && !L->cfg.activation && !L->scales)
         return colibri_moe_context_init(ctx, &L->cfg, L->weights, L->offsets, L->numel, L->router, L->bias);
-    colibri_moe_weights_t w = {L->weights, L->offsets, L->numel, L->expert_bias, L->router, L->logit_bias,
-                               L->bias, L->shared, L->shared_gate};
+    colibri_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.expert_weights = L->weights, w.expert_offsets = L->offsets, w.expert_weights_numel = L->numel;
+    w.expert_bias = L->expert_bias, w.router_weight = L->router, w.router_logit_bias = L->logit_bias;
+    w.router_bias = L->bias, w.shared_weights = L->shared, w.shared_gate_weight = L->shared_gate;
+    w.expert_scales = L->scales, w.shared_scales = L->shared_scales;
     return colibri_moe_context_create(ctx, &L->cfg, &w);
 }
 
@@ -849,6 +918,131 @@ static void test_conversions(void) {
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * fp8 e4m3 weights with scale grids
+ * ---------------------------------------------------------------------------------------------- */
+
+static int error_mentions(const char *word);
+
+static void test_fp8(void) {
+    /* every code as a weight with per-channel scales: out = fp32(value * scale), NaN codes NaN */
+    {
+        uint8_t all[256];
+        float scale[256], out[256], one = 1.0f, wt = 1.0f;
+        for (int i = 0; i < 256; i++) all[i] = (uint8_t)i, scale[i] = i % 2 ? (float)uniform(0.01, 100) : 1.0f;
+        colibri_moe_config_t c = {.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = COLIBRI_DTYPE_F8E4M3,
+                                  .num_experts = 1, .top_k = 1, .hidden_size = 1, .intermediate_size = 256,
+                                  .routed_scaling_factor = 1.0f, .device = COLIBRI_DEVICE_CPU, .scale_block_n = 1};
+        uint64_t off = 0;
+        int32_t id = 0;
+        colibri_moe_weights_t w;
+        memset(&w, 0, sizeof w);
+        w.expert_weights = all, w.expert_offsets = &off, w.expert_weights_numel = 256, w.expert_scales = scale;
+        colibri_moe_context_t *ctx = NULL;
+        CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_OK);
+        poison(out, COLIBRI_DTYPE_F32, 256);
+        if (ctx) CHECK_STATUS(colibri_moe_forward(ctx, 1, COLIBRI_DTYPE_F32, &one, &id, &wt, out, NULL), COLIBRI_OK);
+        int bad = 0;
+        for (int i = 0; i < 256; i++) bad += !same_value(out[i], (double)(float)(f8_to_double(all[i]) * scale[i]));
+        CHECK(bad == 0, "fp8 weights: %d of 256 codes decoded or scaled wrongly", bad);
+        CHECK(isnan(f8_to_double(0x7f)) && f8_to_double(0x7e) == 448 && f8_to_double(0x01) == 0x1p-9 &&
+                  f8_to_double(0xb8) == -1.0, "the test's own fp8 decoding");
+        colibri_moe_context_destroy(ctx);
+    }
+
+    /* layers of every scale layout (blocks that do and do not divide H and F; shapes with a partial
+     * block) against the float64 reference of the dequantised weights: the CPU is exact to fp32 */
+    static const struct { int bn, bk, H, F; } layouts[] = {
+        {128, 128, 200, 256}, {16, 32, 96, 64}, {1, 0, 72, 40}, {0, 0, 64, 48}, {0, 24, 100, 48}, {5, 0, 64, 45},
+    };
+    const int quick = getenv("COLIBRI_TEST_QUICK") != NULL;
+    static const int tokens[] = {1, 7, 64, 513};
+    const colibri_dtype_t acts[] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F16};
+    matrix_stats_t stats = {{0, 0, 0}, 0, 0};
+    for (size_t li = 0; li < sizeof layouts / sizeof layouts[0]; li++)
+        for (int kind = 0; kind < 2; kind++) {
+            /* SWIGLU: DeepSeek-V3's routing with groups and a shared expert, or given ids with biases and a
+             * gated shared expert; LINEAR: softmax top-k */
+            const routing_case_t *rc = &ROUTING_CASES[kind ? 1 : li % 2 ? 9 : 12];
+            const int features = kind ? 0 : rc->features, n_group = features & F_GROUPS ? 2 : 0;
+            const int E = n_group ? 6 : 5, k = 2, H = layouts[li].H, F = layouts[li].F;
+            layer_t L;
+            const int router = rc->source != GIVEN_IDS;
+            layer_make(&L, (colibri_expert_kind_t)kind, COLIBRI_DTYPE_F8E4M3, E, k, H, F, router,
+                       rc->routing == COLIBRI_ROUTING_SIGMOID_BIAS);
+            L.cfg.routing = rc->routing;
+            L.cfg.renormalize = rc->renormalize;
+            L.cfg.routed_scaling_factor = rc->scaling;
+            layer_add_features(&L, features, n_group);
+            layer_scale_fp8(&L, layouts[li].bn, layouts[li].bk);
+            colibri_moe_context_t *ctx = NULL;
+            CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+            for (int ai = 0; ctx && ai < 3; ai++)
+                for (size_t ti = 0; ti < sizeof tokens / sizeof tokens[0] - quick; ti++) {
+                    char label[200];
+                    snprintf(label, sizeof label, "[fp8 blocks (%d, %d), %s, %s, act %s, T=%d, E=%d k=%d H=%d F=%d Fs=%d]",
+                             layouts[li].bn, layouts[li].bk, rc->name, kind ? "linear" : "swiglu",
+                             dtype_name(acts[ai]), tokens[ti], E, k, H, F, L.cfg.shared_intermediate_size);
+                    run_case(&L, ctx, rc, NULL, acts[ai], tokens[ti], &stats, label);
+                }
+            colibri_moe_context_destroy(ctx);
+            layer_free(&L);
+        }
+    printf("fp8: worst normalised error fp32 %.2e (limit %.0e), fp16 %.2e, bf16 %.2e\n", stats.worst[0],
+           error_limit(COLIBRI_DTYPE_F32), stats.worst[1], stats.worst[2]);
+
+    /* bad input: each refused with a message that names it */
+    layer_t L;
+    layer_make(&L, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_F8E4M3, 4, 2, 64, 48, 1, 0);
+    layer_scale_fp8(&L, 16, 16);
+    colibri_moe_context_t *ctx = NULL;
+    colibri_moe_weights_t w;
+    memset(&w, 0, sizeof w);
+    w.expert_weights = L.weights, w.expert_offsets = L.offsets, w.expert_weights_numel = L.numel, w.router_weight = L.router;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &L.cfg, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("expert_scales"), "%s", colibri_last_error());
+    w.expert_scales = L.scales;
+    L.scales[5] = INFINITY;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &L.cfg, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("expert_scales[5]"), "%s", colibri_last_error());
+    L.scales[5] = 1.0f;
+    colibri_moe_config_t c = L.cfg;
+    c.scale_block_k = -1;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("scale_block"), "%s", colibri_last_error());
+    c = L.cfg;
+    c.shared_intermediate_size = 100; /* wider than F = 48, which is not a multiple of the 16 x 32 blocks */
+    c.scale_block_k = 32;
+    w.shared_weights = L.weights, w.shared_scales = L.scales;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_UNSUPPORTED);
+    CHECK(error_mentions("multiple of the scale block"), "%s", colibri_last_error());
+    c = L.cfg;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_INVALID_ARGUMENT); /* shared given, unused */
+    CHECK(error_mentions("shared_weights"), "%s", colibri_last_error());
+    w.shared_weights = NULL;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("shared_scales"), "%s", colibri_last_error());
+    w.shared_scales = NULL;
+    c.weight_dtype = COLIBRI_DTYPE_BF16; /* scales for weights that are not fp8 */
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("scale_block"), "%s", colibri_last_error());
+    c.scale_block_n = c.scale_block_k = 0;
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &c, &w), COLIBRI_ERR_INVALID_ARGUMENT);
+    CHECK(error_mentions("expert_scales"), "%s", colibri_last_error());
+    CHECK(ctx == NULL, "a refused create left a context");
+    CHECK_STATUS(colibri_moe_context_create(&ctx, &L.cfg, &w), COLIBRI_OK);
+    float x[64] = {0}, out[64];
+    int32_t ids[2] = {0, 1};
+    float wts[2] = {0.5f, 0.5f};
+    if (ctx) {
+        CHECK_STATUS(colibri_moe_forward(ctx, 1, COLIBRI_DTYPE_F8E4M3, x, ids, wts, out, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+        CHECK(error_mentions("act_dtype"), "%s", colibri_last_error());
+        CHECK_STATUS(colibri_moe_route(ctx, 1, COLIBRI_DTYPE_F8E4M3, x, ids, wts, NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    }
+    colibri_moe_context_destroy(ctx);
+    layer_free(&L);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * chunking, determinism and thread counts, expert counters
  * ---------------------------------------------------------------------------------------------- */
 
@@ -1132,7 +1326,8 @@ static void test_strings(void) {
     CHECK(strcmp(colibri_status_string((colibri_status_t)99), "unknown status") == 0, "%s", colibri_status_string((colibri_status_t)99));
     CHECK(strcmp(colibri_version(), COLIBRI_VERSION_STRING) == 0, "version %s", colibri_version());
     CHECK(colibri_dtype_size(COLIBRI_DTYPE_F32) == 4 && colibri_dtype_size(COLIBRI_DTYPE_BF16) == 2 &&
-              colibri_dtype_size(COLIBRI_DTYPE_F16) == 2 && colibri_dtype_size((colibri_dtype_t)5) == 0, "dtype sizes");
+              colibri_dtype_size(COLIBRI_DTYPE_F16) == 2 && colibri_dtype_size(COLIBRI_DTYPE_F8E4M3) == 1 &&
+              colibri_dtype_size((colibri_dtype_t)5) == 0, "dtype sizes");
     CHECK(colibri_expert_numel(COLIBRI_EXPERT_SWIGLU, 3, 5) == 45 && colibri_expert_numel(COLIBRI_EXPERT_LINEAR, 3, 5) == 15 &&
               colibri_expert_numel(COLIBRI_EXPERT_LINEAR, 0, 5) == 0, "expert_numel");
 }
@@ -1147,6 +1342,7 @@ int main(int argc, char **argv) {
     test_conversions();
     test_expert_counts();
     test_chunking_and_determinism();
+    test_fp8();
     test_matrix();
     printf("test_moe_cpu: %d checks, %d failed (%.1f s CPU)\n", checks, failures, (double)(clock() - start) / CLOCKS_PER_SEC);
     return failures ? 1 : 0;
