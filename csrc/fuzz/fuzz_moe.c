@@ -5,7 +5,8 @@
  * dtypes, E, k, H, F small, routing, scaling NaN/Inf, chunk sizes, CPU or CUDA), a packed buffer whose
  * size and offsets may not fit, raw weight and router bits (so NaN and Inf), NULL pointers, built by
  * colibri_moe_context_init (appended config fields zero) or by colibri_moe_context_create (group limit,
- * activation, expert biases, logit bias, shared expert and gate, each weight given or not), and then
+ * activation, expert biases, logit bias, shared expert and gate, fp8 scale grids, each weight given or
+ * not), and then
  * forwards, routes and counter reads with random token counts, raw expert ids (out of range too) and
  * weights, optionally through a routing_fn that misbehaves on a chosen call. Every buffer is allocated to
  * its exact size, so ASan sees any read or write past it. The properties checked, besides "no crash":
@@ -130,6 +131,7 @@ typedef struct {
     /* create only: colibri_moe_weights_t's other pointers, and that struct itself NULL */
     float *expert_bias, *logit_bias, *gate;
     void *shared;
+    float *scales, *shared_scales; /* fp8 scale grids */
     int null_out_ctx, null_config, null_weights, null_offsets, null_weight_struct;
     router_t router_fn;
 } layer_t;
@@ -137,6 +139,14 @@ typedef struct {
 static int known_kind(colibri_expert_kind_t k) { return k == COLIBRI_EXPERT_SWIGLU || k == COLIBRI_EXPERT_LINEAR; }
 
 static size_t nonneg(int32_t v) { return v > 0 ? (size_t)v : 0; }
+
+/* fp8 scale grids, from colibri.h's definition (written here, not taken from the library) */
+static size_t blocks_of(size_t n, int32_t b) { return b > 0 ? (n + (size_t)b - 1) / (size_t)b : 1; }
+static size_t grid_numel(const colibri_moe_config_t *c, size_t F) {
+    const size_t H = nonneg(c->hidden_size), first = blocks_of(F, c->scale_block_n) * blocks_of(H, c->scale_block_k);
+    return c->expert_kind == COLIBRI_EXPERT_LINEAR ? first
+                                                   : 2 * first + blocks_of(H, c->scale_block_n) * blocks_of(F, c->scale_block_k);
+}
 
 /* The appended config fields, valid or not, and the weights they ask for: each given exactly when asked,
  * or (half the time) some flipped; a buffer given where none is asked has the size it would have. */
@@ -187,6 +197,23 @@ static void layer_take_appended(bytes_t *b, layer_t *L) {
     }
     if ((c->shared_gate == 1) ^ (flip >> 2 & 1)) L->gate = take_floats(b, H);
     if (flips & 0x40) L->logit_bias = take_floats(b, E); /* with or without a router */
+
+    /* fp8 scale blocks: mostly whole, per channel or small blocks; sometimes any value (other dtypes too) */
+    const uint8_t blocks = take_u8(b);
+    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 || blocks < 16) {
+        c->scale_block_n = blocks % 2 ? 0 : take_range(b, blocks < 16 ? -1 : 0, 6);
+        c->scale_block_k = blocks % 4 > 1 ? 0 : take_range(b, blocks < 16 ? -1 : 0, 6);
+    }
+    const int fp8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
+    const uint8_t given = take_u8(b), flip8 = given & 0x80 ? given : 0;
+    if (c->scale_block_n >= 0 && c->scale_block_k >= 0) {
+        if (fp8 ^ (flip8 & 1)) L->scales = take_floats(b, E * grid_numel(c, F));
+        if ((fp8 && Fs > 0) ^ (flip8 >> 1 & 1)) {
+            colibri_moe_config_t shared = *c;
+            shared.expert_kind = COLIBRI_EXPERT_SWIGLU;
+            L->shared_scales = take_floats(b, grid_numel(&shared, Fs));
+        }
+    }
 }
 
 static void layer_take(bytes_t *b, layer_t *L) {
@@ -194,7 +221,7 @@ static void layer_take(bytes_t *b, layer_t *L) {
     L->create = take_u8(b) % 2;
     colibri_moe_config_t *c = &L->cfg;
     c->expert_kind = (colibri_expert_kind_t)take_range(b, 0, 3);
-    c->weight_dtype = (colibri_dtype_t)take_range(b, 0, 4);
+    c->weight_dtype = (colibri_dtype_t)take_range(b, 0, 5); /* 4: unknown */
     c->num_experts = take_range(b, -1, 11);
     c->top_k = take_range(b, -1, (c->num_experts > 0 ? c->num_experts : 0) + 3);
     c->hidden_size = take_range(b, -1, 19);
@@ -248,6 +275,8 @@ static void layer_free(layer_t *L) {
     free(L->logit_bias);
     free(L->gate);
     free(L->shared);
+    free(L->scales);
+    free(L->shared_scales);
 }
 
 /* The header's rules for the config fields that predate the appended ones, written independently of
@@ -276,6 +305,7 @@ static int init_should_succeed(const layer_t *L) {
     const colibri_moe_config_t *c = &L->cfg;
     if (L->null_out_ctx || L->null_config || L->null_weights || L->null_offsets) return 0;
     if (!base_config_ok(c) || !experts_fit(L)) return 0;
+    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) return 0; /* fp8 needs scale grids, which init cannot take */
     if (L->router) {
         if (!all_finite(L->router, (size_t)c->num_experts * (size_t)c->hidden_size)) return 0;
         if (L->bias && !all_finite(L->bias, (size_t)c->num_experts)) return 0;
@@ -313,8 +343,25 @@ static int create_should_succeed(const layer_t *L) {
     if (c->shared_intermediate_size < 0) return 0;
     if (c->shared_intermediate_size > 0 && c->expert_kind != COLIBRI_EXPERT_SWIGLU) return 0;
     if (c->shared_gate && c->shared_intermediate_size == 0) return 0; /* a gate on no expert */
+    /* fp8: blocks >= 0 (0 = whole dimension), and a shared expert cut into slices of width F must cut
+     * between blocks; other dtypes: blocks 0 */
+    const int fp8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
+    const int32_t bn = c->scale_block_n, bk = c->scale_block_k;
+    if (!fp8 && (bn || bk)) return 0;
+    if (fp8 && (bn < 0 || bk < 0)) return 0;
+    if (fp8 && c->shared_intermediate_size > c->intermediate_size &&
+        ((bn > 0 && c->intermediate_size % bn) || (bk > 0 && c->intermediate_size % bk)))
+        return 0;
 
     /* given exactly when asked */
+    if ((L->scales != NULL) != fp8) return 0;
+    if ((L->shared_scales != NULL) != (fp8 && c->shared_intermediate_size > 0)) return 0;
+    if (L->scales && !all_finite(L->scales, E * grid_numel(c, F))) return 0;
+    if (L->shared_scales) {
+        colibri_moe_config_t shared = *c;
+        shared.expert_kind = COLIBRI_EXPERT_SWIGLU;
+        if (!all_finite(L->shared_scales, grid_numel(&shared, (size_t)c->shared_intermediate_size))) return 0;
+    }
     if ((L->expert_bias != NULL) != (c->expert_bias == 1)) return 0;
     if ((L->shared != NULL) != (c->shared_intermediate_size > 0)) return 0;
     if ((L->gate != NULL) != (c->shared_gate == 1)) return 0;
@@ -410,7 +457,7 @@ static void fuzz_calls(bytes_t *b, layer_t *L, colibri_moe_context_t *ctx) {
     const int32_t O = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU ? H : cfg->intermediate_size;
     const int has_routing = L->router != NULL || cfg->routing_fn != NULL;
     for (int op = take_range(b, 1, 6); op > 0 && b->n; op--) {
-        call_args_t a = {ctx, take_range(b, -1, 13), (colibri_dtype_t)take_range(b, 0, 4), NULL, NULL, NULL, NULL, NULL};
+        call_args_t a = {ctx, take_range(b, -1, 13), (colibri_dtype_t)take_range(b, 0, 5), NULL, NULL, NULL, NULL, NULL};
         const int64_t T = a.T > 0 ? a.T : 0;
         const size_t act_size = colibri_dtype_size(a.act) ? colibri_dtype_size(a.act) : 4;
         const uint8_t nulls = take_u8(b);
@@ -418,7 +465,9 @@ static void fuzz_calls(bytes_t *b, layer_t *L, colibri_moe_context_t *ctx) {
         a.ctx = null_ctx ? NULL : ctx;
         void *input = take_buffer(b, (size_t)T * H * act_size);
         a.input = null_input ? NULL : input;
-        const int valid_call = !null_ctx && a.T >= 0 && colibri_dtype_size(a.act) && (T == 0 || !null_input);
+        /* fp8 is a weight dtype only */
+        const int valid_call = !null_ctx && a.T >= 0 && colibri_dtype_size(a.act) && a.act != COLIBRI_DTYPE_F8E4M3 &&
+                               (T == 0 || !null_input);
         const uint8_t kind = take_u8(b) % 4;
 
         if (kind < 2) { /* forward: routing given (both, one or none), raw or in range */
@@ -479,7 +528,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     colibri_status_t st;
     if (L.create) {
         const colibri_moe_weights_t w = {L.null_weights ? NULL : L.weights, L.null_offsets ? NULL : L.offsets, L.numel,
-                                         L.expert_bias, L.router, L.logit_bias, L.bias, L.shared, L.gate};
+                                         L.expert_bias, L.router, L.logit_bias, L.bias, L.shared, L.gate,
+                                         L.scales, L.shared_scales};
         st = colibri_moe_context_create(L.null_out_ctx ? NULL : &ctx, L.null_config ? NULL : &L.cfg,
                                         L.null_weight_struct ? NULL : &w);
         require_status(st, create_should_succeed(&L), "context_create");
