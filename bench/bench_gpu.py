@@ -8,6 +8,7 @@ The weights are drawn with seed 0, each row's tokens with seed T: a row routes t
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
+                               [--shapes A,B] [--fp8-shapes Qwen3-30B-A3B,...] [--plot-fp8 fp8.png]
 
 Colibri is called through ctypes on build/libcolibri.so, so this needs no Python binding. --compare
 times other builds of the library on the same inputs in the same run (old code against new), each
@@ -15,10 +16,21 @@ loaded into its own ctypes handle with its own copy of the weights; the builds' 
 turn, one of each per round, so that the GPU's clock drift over the run reaches them alike.
 At the end it prints each row against DESIGN.md's target (bench/gpu_report.py, which also redraws a
 saved run: `python3 bench/gpu_report.py bench/gpu.json --plot gpu.png`); --plot draws the run too.
+
+fp8 rows (--fp8-shapes; Mixtral-8x7B, DeepSeek-V3 and Qwen3-30B-A3B shapes): the layer's experts quantised to
+fp8 e4m3 with an fp32 scale per 128 x 128 block (amax / 448, DeepSeek-V3's checkpoint layout), Colibri's fp8
+forward timed in turn with its bf16 forward of the original layer on the same tokens, against
+torch._scaled_grouped_mm (rowwise fp8: activations per token, weights requantised per output channel) and
+the eager loop that dequantises each expert's weights to bf16 on every call. The fp8 floor is
+max((fp8 bytes of the touched experts + their scales + activations) / copy rate, FLOPs / fp8 matmul rate),
+that rate from torch._scaled_mm on an 8192^3 GEMM in the same run. Errors are against the float64 layer of
+the dequantised weights and against Colibri's bf16 output. A library that refuses fp8 (CUDA before its fp8
+kernels) or a torch without the baseline leaves the reason in the row. --plot-fp8 draws them.
 """
 import argparse
 import ctypes
 import json
+import math
 import statistics
 import sys
 
@@ -54,14 +66,15 @@ class Config(ctypes.Structure):
         # colibri.h's appended fields, left zero (a library older than them reads only its own prefix)
         (name, ctypes.c_int32) for name in ("n_group", "topk_group", "group_score", "activation")] + [
         ("activation_alpha", ctypes.c_float), ("activation_limit", ctypes.c_float)] + [
-        (name, ctypes.c_int32) for name in ("expert_bias", "shared_intermediate_size", "shared_gate")]
+        (name, ctypes.c_int32) for name in ("expert_bias", "shared_intermediate_size", "shared_gate", "scale_block_n",
+                                            "scale_block_k")]
 
 
 class Weights(ctypes.Structure):
     _fields_ = [("expert_weights", ctypes.c_void_p), ("expert_offsets", ctypes.POINTER(ctypes.c_uint64)),
                 ("expert_weights_numel", ctypes.c_uint64)] + [
         (name, ctypes.c_void_p) for name in ("expert_bias", "router_weight", "router_logit_bias", "router_bias",
-                                             "shared_weights", "shared_gate_weight")]
+                                             "shared_weights", "shared_gate_weight", "expert_scales", "shared_scales")]
 
 
 def load_lib(path):
@@ -286,23 +299,23 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
                 l.colibri_moe_context_destroy(ctxs[label])
 
 
-def family_layer(spec):
+def family_layer(spec, device="cuda"):
     """A family row's bf16 experts and shared expert, fp32 router and biases, seed 0, on the GPU (drawn in
     bf16 and scaled in place: DeepSeek-V3's experts are 22.5 GB)."""
     torch.manual_seed(0)
     E, H, F, dt = spec["E"], spec["H"], spec["F"], torch.bfloat16
 
     def draw(*shape, fan_in):
-        return torch.randn(*shape, device="cuda", dtype=dt).mul_(fan_in ** -0.5)
+        return torch.randn(*shape, device=device, dtype=dt).mul_(fan_in ** -0.5)
     L = dict(w1=draw(E, F, H, fan_in=H), w3=draw(E, F, H, fan_in=H), w2=draw(E, H, F, fan_in=F),
-             router=torch.randn(E, H, device="cuda") / H ** 0.5)
+             router=torch.randn(E, H, device=device) / H ** 0.5)
     if spec["routing"] == 2:
-        L["sel_bias"] = 0.1 * torch.randn(E, device="cuda")
+        L["sel_bias"] = 0.1 * torch.randn(E, device=device)
     if spec.get("logit_bias"):
-        L["logit_bias"] = 0.5 * torch.randn(E, device="cuda")
+        L["logit_bias"] = 0.5 * torch.randn(E, device=device)
     if spec.get("expert_bias"):  # bf16 as the checkpoint ships them; colibri takes them as fp32
         for key, n in (("b1", F), ("b3", F), ("b2", H)):
-            L[key] = (0.1 * torch.randn(E, n, device="cuda")).to(dt)
+            L[key] = (0.1 * torch.randn(E, n, device=device)).to(dt)
     if spec.get("shared_F"):
         Fs = spec["shared_F"]
         L["s1"], L["s3"], L["s2"] = draw(Fs, H, fan_in=H), draw(Fs, H, fan_in=H), draw(H, Fs, fan_in=Fs)
@@ -318,6 +331,9 @@ def family_route(x, L, spec):
     if spec["routing"] == 1:  # gpt-oss: top-k of the logits, softmax over them
         top, ids = torch.topk(logits, k, dim=-1)
         return torch.softmax(top, dim=-1), ids
+    if spec["routing"] == 0:  # Mixtral, Qwen: softmax, top-k of it, renormalised where the model does
+        w, ids = torch.topk(torch.softmax(logits, dim=-1), k, dim=-1)
+        return (w / w.sum(-1, keepdim=True) if spec["renorm"] else w) * spec["scale"], ids
     scores = logits.sigmoid()
     choice = scores + L["sel_bias"]
     G = spec["n_group"]
@@ -379,6 +395,48 @@ def family_grouped(x, L, spec, w1t, w3t, w2t):
     return out + family_shared(x, L)
 
 
+def layer_context(lib, spec, L, Q=None, device=1):
+    """Colibri's context of a family layer (family_layer's L): its bf16 experts, or with Q (fp8_layer) the fp8
+    experts and their scale grids. Returns (ctx, None, host) or (None, the library's message, host); host holds
+    the packed weights, which a CPU context (device=0) borrows: keep it as long as the context."""
+    E, k, H, F, Fs = spec["E"], spec["k"], spec["H"], spec["F"], spec.get("shared_F", 0)
+    if Q is None:
+        mats, shared = [L["w1"], L["w3"], L["w2"]], [L[key] for key in ("s1", "s3", "s2") if Fs]
+    else:
+        mats, shared = [q for q, _ in Q["experts"]], [q for q, _ in Q["shared"] or []]
+
+    def raw(t):  # fp8 travels as its bytes (ctypes sees only the pointer)
+        return t if Q is None else t.view(torch.uint8)
+    packed = torch.empty(E, 3 * H * F, dtype=torch.bfloat16 if Q is None else torch.uint8)  # host, an expert at a time
+    for e in range(E):
+        packed[e] = torch.cat([raw(m[e]).flatten() for m in mats]).cpu()
+    offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
+    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias") if key in L}
+    host["experts"] = packed
+    if "b1" in L:
+        host["bias"] = torch.cat([L["b1"], L["b3"], L["b2"]], dim=1).float().cpu().contiguous()
+    if Fs:
+        host["shared"] = torch.cat([raw(m).flatten() for m in shared]).cpu()
+    if Q is not None:  # each expert's grids back to back, gate, up, down, as colibri.h lays them
+        host["scales"] = torch.cat([s.flatten(1) for _, s in Q["experts"]], dim=1).float().cpu().contiguous()
+        if Fs:
+            host["shared_scales"] = torch.cat([s.flatten() for _, s in Q["shared"]]).float().cpu().contiguous()
+    bn, bk = Q["block"] if Q is not None else (0, 0)
+    cfg = Config(expert_kind=0, weight_dtype=2 if Q is None else 3, num_experts=E, top_k=k, hidden_size=H,
+                 intermediate_size=F, routing=spec["routing"], renormalize=spec["renorm"],
+                 routed_scaling_factor=spec["scale"], device=device, n_group=spec.get("n_group", 0),
+                 topk_group=spec.get("topk_group", 0), group_score=1, activation=1 if "alpha" in spec else 0,
+                 activation_alpha=spec.get("alpha", 0.0), activation_limit=spec.get("limit", 0.0),
+                 expert_bias=int("bias" in host), shared_intermediate_size=Fs, scale_block_n=bn, scale_block_k=bk)
+    ptr = lambda key: host[key].data_ptr() if key in host else None  # noqa: E731
+    weights = Weights(packed.data_ptr(), offsets, packed.numel(), ptr("bias"), ptr("router"), ptr("logit_bias"),
+                      ptr("sel_bias"), ptr("shared"), None, ptr("scales"), ptr("shared_scales"))
+    ctx = ctypes.c_void_p()
+    if lib.colibri_moe_context_create(ctypes.byref(ctx), ctypes.byref(cfg), ctypes.byref(weights)) != 0:
+        return None, lib.colibri_last_error().decode(), host
+    return ctx, None, host
+
+
 def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
     """One family row per T (this build only: builds before colibri_moe_context_create cannot run them)."""
     spec = FAMILY_SHAPES[name]
@@ -387,28 +445,9 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
         print(f"{name}: skipped (this library has no colibri_moe_context_create)")
         return
     L = family_layer(spec)
-    packed = torch.empty(E, 3 * H * F, dtype=torch.bfloat16)  # host, one expert at a time
-    for e in range(E):
-        packed[e] = torch.cat([L["w1"][e].flatten(), L["w3"][e].flatten(), L["w2"][e].flatten()]).cpu()
-    offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
-    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias") if key in L}
-    if "b1" in L:
-        host["bias"] = torch.cat([L["b1"], L["b3"], L["b2"]], dim=1).float().cpu().contiguous()
-    if Fs:
-        host["shared"] = torch.cat([L["s1"].flatten(), L["s3"].flatten(), L["s2"].flatten()]).cpu()
-    cfg = Config(expert_kind=0, weight_dtype=2, num_experts=E, top_k=k, hidden_size=H, intermediate_size=F,
-                 routing=spec["routing"], renormalize=spec["renorm"], routed_scaling_factor=spec["scale"],
-                 device=1, n_group=spec.get("n_group", 0), topk_group=spec.get("topk_group", 0), group_score=1,
-                 activation=1 if "alpha" in spec else 0, activation_alpha=spec.get("alpha", 0.0),
-                 activation_limit=spec.get("limit", 0.0), expert_bias=int("bias" in host), shared_intermediate_size=Fs)
-    ptr = lambda key: host[key].data_ptr() if key in host else None  # noqa: E731
-    weights = Weights(packed.data_ptr(), offsets, packed.numel(), ptr("bias"), ptr("router"), ptr("logit_bias"),
-                      ptr("sel_bias"), ptr("shared"), None)
-    ctx = ctypes.c_void_p()
-    status = lib.colibri_moe_context_create(ctypes.byref(ctx), ctypes.byref(cfg), ctypes.byref(weights))
-    del packed  # 22.5 GB of host memory for DeepSeek-V3; the context has its copy
-    if status != 0:
-        print(f"{name}: skipped ({lib.colibri_last_error().decode()})")
+    ctx, why = layer_context(lib, spec, L)[:2]  # the host copy goes here: the CUDA context has its own
+    if ctx is None:
+        print(f"{name}: skipped ({why})")
         return
     w1t, w3t, w2t = L["w1"].transpose(1, 2), L["w3"].transpose(1, 2), L["w2"].transpose(1, 2)
     expert_bytes = 3 * H * F * 2
@@ -441,48 +480,347 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
         lib.colibri_moe_context_destroy(ctx)
 
 
+# fp8 experts (issue 45): each layer quantised to fp8 e4m3 with an fp32 scale per 128 x 128 block, as
+# DeepSeek-V3, Qwen3-*-FP8 and GLM-4.5-FP8 ship their experts, timed beside Colibri's bf16 forward of the same
+# layer and tokens. Mixtral and Qwen3-30B-A3B: softmax top-k renormalised; DeepSeek-V3 as FAMILY_SHAPES has it.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+FP8_BLOCK = (128, 128)  # quantization_config.weight_block_size of those checkpoints
+FP8_SHAPES = {
+    "Mixtral-8x7B": dict(E=8, k=2, H=4096, F=14336, routing=0, renorm=1, scale=1.0),
+    "DeepSeek-V3": FAMILY_SHAPES["DeepSeek-V3"],
+    "Qwen3-30B-A3B": dict(E=128, k=8, H=2048, F=768, routing=0, renorm=1, scale=1.0),
+}
+
+
+def quantise_blocks(w, bn, bk):
+    """w [..., N, K] as fp8 e4m3 values q and fp32 scales s [..., ceil(N / bn), ceil(K / bk)] (0: the whole
+    dimension), w ~ q * s blockwise, s = the block's amax / 448 (a block of zeros gets scale 0)."""
+    N, K = w.shape[-2:]
+    bn, bk = bn or N, bk or K
+    nb, kb = -(-N // bn), -(-K // bk)
+    blocks = Fn.pad(w.float(), (0, kb * bk - K, 0, nb * bn - N)).unflatten(-1, (kb, bk)).unflatten(-3, (nb, bn))
+    s = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    # clamped: amax / (amax / 448) can round a hair above 448, which the cast would turn into NaN
+    q = (blocks / torch.where(s > 0, s, 1)[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(-4, -3).flatten(-2, -1)[..., :N, :K].contiguous(), s
+
+
+def quantise_rows(w):
+    """w [..., N, K] as fp8 with one fp32 scale per row (s [..., N]): torch._scaled_grouped_mm's rowwise
+    scaling, for its activations (per token) and weights (per output channel)."""
+    s = w.float().abs().amax(dim=-1) / FP8_MAX
+    return (w.float() / torch.where(s > 0, s, 1)[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+def dequant(q, s, bn, bk, dtype):
+    """q [..., N, K] fp8 times its block scales s, computed in dtype (float64: exact)."""
+    N, K = q.shape[-2:]
+    bn, bk = bn or N, bk or K
+    if N % bn or K % bk:  # ragged edge blocks: a full-size scale map
+        full = s.to(dtype).repeat_interleave(bn, dim=-2)[..., :N, :].repeat_interleave(bk, dim=-1)[..., :K]
+        return q.to(dtype) * full
+    blocks = q.to(dtype).unflatten(-1, (K // bk, bk)).unflatten(-3, (N // bn, bn))
+    return (blocks * s.to(dtype)[..., :, None, :, None]).flatten(-4, -3).flatten(-2, -1)
+
+
+def fp8_layer(L, spec, block=FP8_BLOCK, chunk=8):
+    """L's experts and shared expert as fp8 with block scales: {"block", "experts": [(q, s) of gate, up, down],
+    "shared": the same or None}; quantised `chunk` experts at a time (DeepSeek-V3's are 22.5 GB in bf16)."""
+    bn, bk = block
+    Q = dict(block=block, experts=[], shared=None)
+    for key in ("w1", "w3", "w2"):
+        w = L[key]
+        E, N, K = w.shape
+        q = torch.empty(E, N, K, dtype=FP8, device=w.device)
+        s = torch.empty(E, -(-N // bn), -(-K // bk), device=w.device)
+        for i in range(0, E, chunk):
+            q[i:i + chunk], s[i:i + chunk] = quantise_blocks(w[i:i + chunk], bn, bk)
+        Q["experts"].append((q, s))
+    if "s1" in L:
+        Q["shared"] = [quantise_blocks(L[key], bn, bk) for key in ("s1", "s3", "s2")]
+    return Q
+
+
+def channel_layer(Q, chunk=8):
+    """The block-fp8 layer requantised per output channel for torch._scaled_grouped_mm (rowwise scales are what
+    its fp8 path takes): [(q [E', K, N] column-major, s [E', N])] of gate, up, down, the shared expert appended
+    as expert E where it has one (it must then be as wide as the routed experts)."""
+    bn, bk = Q["block"]
+    out = []
+    for j, (q, s) in enumerate(Q["experts"]):
+        mats = [(q, s)]
+        if Q["shared"]:
+            mats.append((Q["shared"][j][0][None], Q["shared"][j][1][None]))
+        if any(m.shape[1:] != q.shape[1:] for m, _ in mats):
+            raise ValueError("a shared expert of another width than the routed experts")
+        E = sum(m.shape[0] for m, _ in mats)
+        qc = torch.empty(E, *q.shape[1:], dtype=FP8, device=q.device)
+        sc = torch.empty(E, q.shape[1], device=q.device)
+        at = 0
+        for m, ms in mats:
+            for i in range(0, m.shape[0], chunk):
+                n = min(chunk, m.shape[0] - i)
+                qc[at:at + n], sc[at:at + n] = quantise_rows(dequant(m[i:i + n], ms[i:i + n], bn, bk, torch.float32))
+                at += n
+        out.append((qc.transpose(1, 2), sc))
+    return out
+
+
+def expert_loop(x, w, ids, E, expert, shared=None):
+    """sum_j w[t, j] expert(ids[t, j], x[t]) (+ shared(x)) in x's dtype, one call per expert that got tokens."""
+    out = torch.zeros_like(x)
+    mask = Fn.one_hot(ids, num_classes=E).permute(2, 1, 0)
+    for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist():
+        slot, tok = torch.where(mask[e])
+        out.index_add_(0, tok, expert(e, x[tok]) * w[tok, slot, None].to(x.dtype))
+    return out + shared(x) if shared else out
+
+
+def swiglu(x, gate, up, down):
+    return (Fn.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def fp8_experts(Q, dtype, out_dtype):
+    """(expert(e, xs), shared(xs) or None) of the fp8 layer, each call dequantising the weights it uses in
+    dtype and rounding them to out_dtype."""
+    bn, bk = Q["block"]
+
+    def deq(q, s):
+        return dequant(q, s, bn, bk, dtype).to(out_dtype)
+
+    def expert(e, xs):
+        return swiglu(xs, *(deq(q[e], s[e]) for q, s in Q["experts"]))
+    shared = (lambda xs: swiglu(xs, *(deq(q, s) for q, s in Q["shared"]))) if Q["shared"] else None
+    return expert, shared
+
+
+def fp8_reference(x, L, spec, Q):
+    """The fp8 layer in float64 on the dequantised weights (exact products of the stored values and scales),
+    routed by family_route: the reference of record."""
+    w, ids = family_route(x, L, spec)
+    return expert_loop(x.double(), w.double(), ids, spec["E"], *fp8_experts(Q, torch.float64, torch.float64))
+
+
+def fp8_eager(x, L, spec, Q):
+    """The transformers-style loop over experts, each hit expert's fp8 weights dequantised to bf16 on every call."""
+    w, ids = family_route(x, L, spec)
+    return expert_loop(x, w, ids, spec["E"], *fp8_experts(Q, torch.float32, x.dtype))
+
+
+def fp8_scaled_grouped(x, L, spec, C):
+    """Tokens sorted by expert (the shared expert as expert E, every token at weight 1), activations quantised
+    per row, three torch._scaled_grouped_mm calls on channel_layer's weights, weighted scatter-add back."""
+    (g1, s1), (g3, s3), (g2, s2) = C
+    T, k = x.shape[0], spec["k"]
+    w, ids = family_route(x, L, spec)
+    flat, wflat, tok = ids.flatten(), w.flatten(), torch.arange(T * k, device=x.device) // k
+    if g1.shape[0] > spec["E"]:
+        flat = torch.cat([flat, torch.full((T,), spec["E"], device=x.device, dtype=flat.dtype)])
+        wflat = torch.cat([wflat, torch.ones(T, device=x.device, dtype=wflat.dtype)])
+        tok = torch.cat([tok, torch.arange(T, device=x.device)])
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=g1.shape[0]), 0).to(torch.int32)
+    tok = tok[order]
+    xq, xs = quantise_rows(x[tok])
+
+    def mm(a, sa, b, sb):
+        return torch._scaled_grouped_mm(a, b, sa, sb, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
+    h = Fn.silu(mm(xq, xs, g1, s1)) * mm(xq, xs, g3, s3)
+    y = mm(*quantise_rows(h), g2, s2)
+    out = torch.zeros_like(x)
+    out.index_add_(0, tok, y * wflat[order, None].to(x.dtype))
+    return out
+
+
+def fp8_matmul_rate(timer, n=8192):
+    """torch._scaled_mm on an n x n x n fp8 GEMM (per-tensor scales, fast accumulation: the card's best fp8
+    rate), random data; nan with the reason where this torch or card has none."""
+    try:
+        a = torch.randn(n, n, device="cuda").to(FP8)
+        b = torch.randn(n, n, device="cuda").to(FP8)
+        one = torch.ones((), device="cuda")
+        ms = timer(lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                            use_fast_accum=True))
+        return 2 * n ** 3 / (ms * 1e-3), "ok"
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:  # TORCH_CHECK_VALUE: ValueError
+        return float("nan"), f"torch._scaled_mm failed: {err}"
+
+
+def rel_err(out, ref):
+    """||out - ref|| / ||ref|| in float64; NaN or inf anywhere in out gives nan (never a pass)."""
+    if not bool(torch.isfinite(out).all()):
+        return float("nan")
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def bench_fp8(lib, timer, name, copy_bw, fp8_rate, rows, tokens=TOKENS):
+    """One fp8 row per T: Colibri's fp8 forward of the block-quantised layer and its bf16 forward of the
+    original layer (replays timed in turn), torch._scaled_grouped_mm, the eager dequantise-then-matmul loop,
+    and the fp8 floor. A library that refuses fp8 (or this layer) leaves the row with the reason."""
+    spec = FP8_SHAPES[name]
+    E, k, H, F, Fs = spec["E"], spec["k"], spec["H"], spec["F"], spec.get("shared_F", 0)
+    if not hasattr(lib, "colibri_moe_context_create"):
+        print(f"fp8 {name}: skipped (this library has no colibri_moe_context_create)")
+        return
+    L = family_layer(spec)
+    ctx16, why16 = layer_context(lib, spec, L)[:2]
+    Q = fp8_layer(L, spec)
+    for key in ("w1", "w3", "w2"):  # the bf16 experts now live in ctx16; DeepSeek-V3 needs the room
+        del L[key]
+    torch.cuda.empty_cache()
+    ctx8, why8 = layer_context(lib, spec, L, Q)[:2]
+    fp8_status = "ok" if ctx8 is not None else f"refused by the library: {why8}"
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        C, sg_status = None, f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    else:
+        try:
+            C, sg_status = channel_layer(Q), "ok"
+        except (ValueError, RuntimeError, NotImplementedError) as err:
+            C, sg_status = None, f"torch._scaled_grouped_mm not run: {err}"
+    bn, bk = Q["block"]
+    scale_bytes = 4 * sum(s[0].numel() for _, s in Q["experts"])
+    expert_bytes = 3 * H * F + scale_bytes  # one byte per weight
+    shared_bytes = 3 * H * Fs + (4 * sum(s.numel() for _, s in Q["shared"]) if Q["shared"] else 0)
+    if ctx8 is None:
+        print(f"fp8 {name}: Colibri's fp8 forward {fp8_status}")
+    if ctx16 is None:
+        print(f"fp8 {name}: Colibri's bf16 forward refused: {why16}")
+    if C is None:
+        print(f"fp8 {name}: {sg_status}")
+    try:
+        for T in tokens:
+            x = row_tokens(T, H)
+            ref = fp8_reference(x, L, spec, Q)
+            replays, status = [], fp8_status
+            # poisoned: an element a forward leaves unwritten reads NaN, and NaN never passes
+            out16, out8 = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            if ctx16 is not None:
+                replays.append(capture(lib, ctx16, T, x, out16).replay)
+            if ctx8 is not None:
+                try:
+                    replays.append(capture(lib, ctx8, T, x, out8).replay)
+                except RuntimeError as err:
+                    status = f"forward failed: {err}"
+            t16 = t8 = float("nan")
+            if replays:
+                times = timer.interleaved(replays)
+                t16 = times[0] if ctx16 is not None else t16
+                t8 = times[-1] if status == "ok" else t8
+            err8 = rel_err(out8, ref) if status == "ok" else float("nan")
+            err8_16 = rel_err(out8, out16) if status == "ok" and ctx16 is not None else float("nan")
+            eager_out = fp8_eager(x, L, spec, Q)
+            t_eager = timer(lambda: fp8_eager(x, L, spec, Q))
+            t_sg, err_sg, row_sg = float("nan"), float("nan"), sg_status
+            if C is not None:
+                try:
+                    err_sg = rel_err(fp8_scaled_grouped(x, L, spec, C), ref)
+                    t_sg = timer(lambda: fp8_scaled_grouped(x, L, spec, C))
+                except (RuntimeError, ValueError, NotImplementedError) as err:  # its shape checks raise ValueError
+                    row_sg = f"torch._scaled_grouped_mm failed: {str(err).splitlines()[0]}"
+            counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
+            touched = int((counts > 0).sum())
+            nbytes = touched * expert_bytes + shared_bytes + 2 * T * H * 2
+            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
+            # no fp8 matmul rate measured: no floor (max() would quietly keep the bytes term alone)
+            floor_ms = float("nan") if math.isnan(fp8_rate) else max(nbytes / copy_bw, flops / fp8_rate) * 1e3
+            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, block=[bn, bk], fp8_ms=t8, bf16_ms=t16,
+                       fp8_vs_bf16=t8 / t16, fp8_floor_ms=floor_ms, fraction_of_fp8_floor=floor_ms / t8,
+                       scaled_grouped_ms=t_sg, eager_ms=t_eager, speedup_vs_scaled_grouped=t_sg / t8,
+                       speedup_vs_eager=t_eager / t8, rel_err_vs_ref64=err8, rel_err_vs_bf16=err8_16,
+                       scaled_grouped_rel_err_vs_ref64=err_sg, eager_rel_err_vs_ref64=rel_err(eager_out, ref),
+                       fp8_status=status, scaled_grouped_status=row_sg, experts_touched=touched, fp8_bytes=nbytes,
+                       flops=flops, rows_per_expert=counts.tolist())
+            rows.append(row)
+            print(f"{name:17s} {T:5d} {t8:8.3f} {t16:8.3f} {row['fp8_vs_bf16']:6.2f} {t_sg:8.3f} {t_eager:8.3f} "
+                  f"{row['speedup_vs_scaled_grouped']:7.2f} {row['speedup_vs_eager']:7.2f} {floor_ms:8.3f} "
+                  f"{row['fraction_of_fp8_floor']:6.2f} {err8:8.1e} {err8_16:8.1e}   sg err {err_sg:.1e}, "
+                  f"eager err {row['eager_rel_err_vs_ref64']:.1e}"
+                  + ("" if status == "ok" else f"   fp8: {status}")
+                  + ("" if row_sg == "ok" or C is None else f"   {row_sg}"), flush=True)
+    finally:
+        for ctx in (ctx16, ctx8):
+            if ctx is not None:
+                lib.colibri_moe_context_destroy(ctx)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lib", default="build/libcolibri.so")
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default=",".join([s[0] for s in SHAPES] + list(FAMILY_SHAPES)))
-    ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs")
+    ap.add_argument("--shapes", default=",".join([s[0] for s in SHAPES] + list(FAMILY_SHAPES)),
+                    help="bf16 rows ('' for none)")
+    ap.add_argument("--fp8-shapes", default=",".join(FP8_SHAPES),
+                    help="fp8 rows, each beside Colibri's bf16 forward of the same layer ('' for none), in this order")
+    ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs (bf16 rows)")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T to time, e.g. 1,4,16")
     ap.add_argument("--flush", choices=("zero", "read"), default="zero",
                     help="L2 flush before each timing: write 512 MB (default) or read it (clean L2)")
-    ap.add_argument("--plot", default="", help="also draw the run into this PNG (needs matplotlib)")
+    ap.add_argument("--plot", default="", help="also draw the bf16 rows into this PNG (needs matplotlib)")
+    ap.add_argument("--plot-fp8", default="", help="also draw the fp8 rows into this PNG (needs matplotlib)")
     args = ap.parse_args()
+    wanted, fp8_wanted = [s for s in args.shapes.split(",") if s], [s for s in args.fp8_shapes.split(",") if s]
+    known = [s[0] for s in SHAPES] + list(FAMILY_SHAPES)
+    for name in [n for n in wanted if n not in known] + [n for n in fp8_wanted if n not in FP8_SHAPES]:
+        ap.error(f"unknown shape {name!r} (bf16: {', '.join(known)}; fp8: {', '.join(FP8_SHAPES)})")
+    tokens = [int(t) for t in args.tokens.split(",") if t]
     lib = load_lib(args.lib)
     others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
     timer = Timer(args.reps, args.flush)
     copy_bw, mm_rate = ceilings(timer)
-    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s")
-    print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
-          f"{'floor':>8s} {'frac':>6s} {'rel err':>8s}   (ms, medians of {args.reps})")
-    rows = []
-    wanted = args.shapes.split(",")
+    fp8_rate, fp8_rate_status = fp8_matmul_rate(timer) if fp8_wanted else (float("nan"), "not measured: no fp8 rows")
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {mm_rate / 1e12:.0f} TFLOP/s, "
+          f"fp8 matmul {fp8_rate / 1e12:.0f} TFLOP/s" + ("" if fp8_rate_status == "ok" else f" ({fp8_rate_status})"))
+    rows, fp8_rows = [], []
+    run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate,
+               fp8_matmul_rate=fp8_rate, fp8_matmul_status=fp8_rate_status, torch=torch.__version__, reps=args.reps,
+               flush=args.flush, rows=rows, fp8_rows=fp8_rows)
+
+    def save():  # after every shape: a run cut short (a device's time limit) keeps the rows it finished
+        with open(args.json, "w") as f:
+            json.dump(run, f, indent=1)
+    if wanted:
+        print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
+              f"{'floor':>8s} {'frac':>6s} {'rel err':>8s}   (ms, medians of {args.reps})")
     for shape in SHAPES:
         if shape[0] in wanted:
-            bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows,
-                        tokens=[int(t) for t in args.tokens.split(",") if t])
+            bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows, tokens=tokens)
+            save()
             torch.cuda.empty_cache()
     for name in FAMILY_SHAPES:
         if name in wanted:
             try:  # a family row that fails still leaves the run's other rows in the JSON
-                bench_family(lib, timer, name, copy_bw, mm_rate, rows,
-                             tokens=[int(t) for t in args.tokens.split(",") if t])
+                bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=tokens)
             except (RuntimeError, torch.OutOfMemoryError) as err:
                 print(f"{name}: failed: {err}", file=sys.stderr)
+            save()
             torch.cuda.empty_cache()
-    run = dict(device=torch.cuda.get_device_name(), copy_bw=copy_bw, bf16_matmul_rate=mm_rate, reps=args.reps,
-               flush=args.flush, rows=rows)
-    with open(args.json, "w") as f:
-        json.dump(run, f, indent=1)
-    print("\n".join(gpu_report.summary(run)[0]))
-    if args.plot:
+    if fp8_wanted:
+        print(f"fp8 experts, {FP8_BLOCK[0]}x{FP8_BLOCK[1]} block scales; fp8/bf16: Colibri's two forwards of the "
+              f"layer; sg: torch._scaled_grouped_mm (rowwise); eager: dequantise-then-matmul loop; errors against the "
+              f"float64 reference of the dequantised layer (err64) and Colibri's bf16 output (err16)")
+        print(f"{'shape':17s} {'T':>5s} {'fp8':>8s} {'bf16':>8s} {'ratio':>6s} {'sg':>8s} {'eager':>8s} {'x sg':>7s} "
+              f"{'x eager':>7s} {'floor':>8s} {'frac':>6s} {'err64':>8s} {'err16':>8s}   (ms, medians of {args.reps})")
+    for name in fp8_wanted:
+        try:  # as for the families: one shape failing leaves the others
+            bench_fp8(lib, timer, name, copy_bw, fp8_rate, fp8_rows, tokens=tokens)
+        except (RuntimeError, ValueError, torch.OutOfMemoryError) as err:
+            print(f"fp8 {name}: failed: {err}", file=sys.stderr)
+        save()
+        torch.cuda.empty_cache()
+    save()
+    if rows:
+        print("\n".join(gpu_report.summary(run)[0]))
+    if fp8_rows:
+        print("\n".join(gpu_report.fp8_summary(run)[0]))
+    if args.plot and rows:
         gpu_report.plot(run, args.plot)
         print(f"plot: {args.plot}")
+    if args.plot_fp8 and fp8_rows:
+        gpu_report.plot_fp8(run, args.plot_fp8)
+        print(f"fp8 plot: {args.plot_fp8}")
 
 
 if __name__ == "__main__":

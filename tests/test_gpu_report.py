@@ -82,3 +82,61 @@ def test_plot_writes_a_png(tmp_path, run):
     gpu_report.plot(run, str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_fp8_targets_are_design_md_table():
+    # DESIGN.md, "Targets for fp8 experts": fp8/bf16 at most 0.55 at T <= 64 and 0.6 at T = 4096; the fp8
+    # floor at least 0.85 at T = 16-256 and 0.7 at T = 4096, on the Mixtral and DeepSeek-V3 shapes only
+    assert [gpu_report.fp8_ratio_target(t) for t in TOKENS] == [0.55, 0.55, 0.55, 0.55, None, None, 0.6]
+    for shape in ("Mixtral-8x7B", "DeepSeek-V3"):
+        assert [gpu_report.fp8_floor_target(shape, t) for t in TOKENS] == [None, None, 0.85, 0.85, 0.85, None, 0.7]
+    assert {gpu_report.fp8_floor_target("Qwen3-30B-A3B", t) for t in TOKENS} == {None}
+
+
+def fake_fp8_row(shape, T, ratio, frac, speedup, err=0.03, status="ok", sg_status="ok", bf16_ms=1.0):
+    fp8_ms = ratio * bf16_ms
+    sg_ms = speedup * fp8_ms if sg_status == "ok" else math.nan
+    return dict(shape=shape, E=8, k=2, H=64, F=128, T=T, shared_F=0, block=[128, 128], fp8_ms=fp8_ms,
+                bf16_ms=bf16_ms, fp8_vs_bf16=ratio, fp8_floor_ms=frac * fp8_ms, fraction_of_fp8_floor=frac,
+                scaled_grouped_ms=sg_ms, eager_ms=5 * fp8_ms, speedup_vs_scaled_grouped=sg_ms / fp8_ms,
+                speedup_vs_eager=5.0, rel_err_vs_ref64=err, rel_err_vs_bf16=err, fp8_status=status,
+                scaled_grouped_status=sg_status)
+
+
+def fake_fp8_run(rows):
+    return dict(fake_run([]), fp8_matmul_rate=1.4e15, fp8_rows=rows)
+
+
+def test_fp8_summary_marks_each_target():
+    refused = "refused by the library: CUDA: fp8 weights are not supported"
+    nan = math.nan
+    rows = [fake_fp8_row("Mixtral-8x7B", 16, 0.554, 0.846, 1.01),  # prints 0.55 and 0.85: all three met
+            fake_fp8_row("DeepSeek-V3", 4096, 0.61, 0.70, nan, sg_status="torch._scaled_grouped_mm failed: x"),
+            fake_fp8_row("Qwen3-30B-A3B", 1, nan, nan, nan, err=nan, status=refused),  # no fp8 forward
+            fake_fp8_row("Mixtral-8x7B", 64, 0.30, 0.95, 2.0, err=nan),  # fast, but its output is not finite
+            fake_fp8_row("Mixtral-8x7B", 1024, 0.70, 0.80, 0.9)]  # no ratio or floor target at T = 1024
+    rows[2]["scaled_grouped_ms"] = 0.5  # the baseline ran; the missing fp8 time misses it
+    checks = [gpu_report.fp8_checks(r) for r in rows]
+    assert checks[0] == dict(ratio="yes", floor="yes", scaled_grouped="yes")
+    assert checks[1] == dict(ratio="no", floor="yes", scaled_grouped="n/a")
+    assert checks[2] == dict(ratio="no", floor="-", scaled_grouped="no")
+    assert checks[3] == dict(ratio="no", floor="no", scaled_grouped="no")
+    assert checks[4] == dict(ratio="-", floor="-", scaled_grouped="no")
+    lines, met, judged = gpu_report.fp8_summary(fake_fp8_run(rows))
+    assert (met, judged) == (4, 11)
+    assert any(refused in line and "Qwen3-30B-A3B T=1" in line for line in lines)
+    assert any("torch._scaled_grouped_mm failed: x" in line for line in lines)
+    assert "met: 4 of 11 judged" in lines[-1] and "not judged on 1 rows" in lines[-1] and "1400 TFLOP/s" in lines[-1]
+
+
+def test_plot_fp8_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    refused = "refused by the library: CUDA: fp8 weights are not supported"
+    rows = [fake_fp8_row(shape, T, 0.5 + 0.01 * i, 0.8, 1.5) for shape in ("Mixtral-8x7B", "DeepSeek-V3")
+            for i, T in enumerate(TOKENS)]
+    rows += [fake_fp8_row("Qwen3-30B-A3B", T, math.nan, math.nan, math.nan, err=math.nan, status=refused)
+             for T in TOKENS]  # a shape with no fp8 line at all (the library refused it) still draws
+    path = tmp_path / "fp8.png"
+    gpu_report.plot_fp8(fake_fp8_run(rows), str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
