@@ -11,7 +11,6 @@
 #include "fp8_quant.cuh"
 #include "wgmma_ws.cuh"
 
-#if COLIBRI_TMA
 /* A stage is one 128-column scale group of k: 128 token rows and 128 weight rows of 128 bytes, the rows of
  * the 128-byte swizzle as the bf16 kernels lay them out (a k step of 32 fp8 is 32 bytes of a row, as 16
  * bf16 are). 128 weight rows, not the bf16 kernels' 256: each consumer thread holds the k step's partial
@@ -59,6 +58,7 @@ static inline bool fp8_scales_fit(int32_t bn, int32_t bk) {
     return (bn == 0 || bn % F8_BN == 0) && (bk == 0 || bk % F8_BK == 0);
 }
 
+#if COLIBRI_TMA
 #define F8_D_REGS                                                                         \
     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "             \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "    \
