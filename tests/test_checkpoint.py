@@ -221,9 +221,9 @@ def test_version_1_file_loads(rng, tmp_path):
 def test_unknown_version_refused(rng, tmp_path):
     path, *_ = saved_layer(rng, tmp_path)
     assert checkpoint.load(path).metadata["format"] == "colibri-moe/2"
-    bad = rewrite_metadata(path, lambda m: m.update(format="colibri-moe/3"))
-    with pytest.raises(colibri.ColibriError, match=r"format version 3 \('colibri-moe/3'\) is not known to this reader, "
-                                                   r"which reads colibri-moe/1, colibri-moe/2"):
+    bad = rewrite_metadata(path, lambda m: m.update(format="colibri-moe/4"))
+    with pytest.raises(colibri.ColibriError, match=r"format version 4 \('colibri-moe/4'\) is not known to this reader, "
+                                                   r"which reads colibri-moe/1, colibri-moe/2, colibri-moe/3"):
         checkpoint.load(bad)
 
 

@@ -14,7 +14,8 @@ without copies; the output comes back as the same kind of array.
 Exported:
     MoELayer        one layer: from_file(path, device), forward(), route(), expert_counts(), config
     LayerConfig     its shape and semantics: num_experts, top_k, hidden_size, intermediate_size,
-                    expert_kind, weight_dtype, routing, renormalize, routed_scaling_factor
+                    expert_kind, weight_dtype, routing, renormalize, routed_scaling_factor, and for
+                    fp8_e4m3 weights their scale blocks scale_block_n, scale_block_k (colibri.fp8)
     Tensor          the array forward returns where numpy cannot hold it (bf16, capsules)
     ColibriError    every failure, with .status (one of the STATUS_* codes) and a message naming
                     the input or file and what is wrong

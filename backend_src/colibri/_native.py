@@ -15,6 +15,11 @@ STATUS_ROUTING = lib.COLIBRI_ERR_ROUTING
 STATUS_INTERNAL = lib.COLIBRI_ERR_INTERNAL
 
 DTYPE_CODES = {"fp32": lib.COLIBRI_DTYPE_F32, "fp16": lib.COLIBRI_DTYPE_F16, "bf16": lib.COLIBRI_DTYPE_BF16}
+# fp8 weights (their dtype, the config's scale blocks and the weights' scale grids) exist in libraries
+# built from the header that declares colibri_scales_numel.
+HAS_FP8 = hasattr(lib, "colibri_scales_numel")
+if HAS_FP8:
+    DTYPE_CODES["fp8_e4m3"] = lib.COLIBRI_DTYPE_F8E4M3
 EXPERT_KIND_CODES = {"swiglu": lib.COLIBRI_EXPERT_SWIGLU, "linear": lib.COLIBRI_EXPERT_LINEAR}
 ROUTING_CODES = {
     "softmax_topk": lib.COLIBRI_ROUTING_SOFTMAX_TOPK,

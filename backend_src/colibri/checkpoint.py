@@ -1,7 +1,7 @@
-"""Packed Colibri checkpoints (*.colibri.safetensors), format colibri-moe/2:
+"""Packed Colibri checkpoints (*.colibri.safetensors), format colibri-moe/2, or colibri-moe/3 for fp8 experts:
 
-    experts            [E, expert_numel] fp32 | fp16 | bf16  row e = expert e (swiglu: gate [F,H], up [F,H],
-                                                             down [H,F]; linear: [F,H]; row-major)
+    experts            [E, expert_numel] fp32 | fp16 | bf16 | F8_E4M3 (v3)   row e = expert e (swiglu: gate
+                                         [F,H], up [F,H], down [H,F]; linear: [F,H]; row-major)
     router             [E, H] fp32       optional
     router_bias        [E] fp32          optional: added to the selection scores only (DeepSeek-V3's
                                          e_score_correction_bias); required by sigmoid_bias routing
@@ -11,16 +11,24 @@
                                          gate [Fs,H], up [Fs,H], down [H,Fs], row-major, back to back
     shared_expert_gate [H] fp32          when shared_gate=true (the shared expert is scaled by
                                          sigmoid(shared_expert_gate . x))
+    expert_scales      [E, S] fp32       v3, fp8 experts: row e = expert e's scale grids, back to back in
+                                         the order of its matrices, each [ceil(N / bn), ceil(K / bk)]
+                                         row-major for a matrix [N, K] (bn, bk: scale_block_n, _k; 0 = the
+                                         whole dimension); S = colibri_scales_numel (colibri.fp8)
+    shared_expert_scales [S_shared] fp32 v3, fp8 experts with a shared expert: its gate, up, down grids
     metadata           format, expert_kind, num_experts, top_k, hidden_size, intermediate_size, routing,
                        renormalize (true|false), routed_scaling_factor, n_group, topk_group, group_score
                        (max|top2_sum), activation (silu|swiglu_oai), activation_alpha, activation_limit,
-                       expert_bias (true|false), shared_intermediate_size, shared_gate (true|false)
+                       expert_bias (true|false), shared_intermediate_size, shared_gate (true|false);
+                       v3 also scale_block_n, scale_block_k
 
-The semantics of every field are colibri.h's (and colibri.reference's). A tensor is present exactly
-when the metadata asks for it, so nothing in a file goes silently unused. The writer writes version 2.
-Version 1 files (format colibri-moe/1: experts, router, router_bias and the first eight keys) still
-load, as layers without the version-2 features; their router_bias counts only under sigmoid_bias
-routing, as it did. A reader refuses a version it does not know.
+The semantics of every field are colibri.h's (and colibri.reference's): an fp8 weight stands for its
+e4m3 value times its scale. A tensor is present exactly when the metadata asks for it, so nothing in a
+file goes silently unused. The writer writes the lowest version that describes the layer: version 3
+for fp8 experts, else version 2, so readers that predate fp8 keep reading every other file. Version 1
+files (format colibri-moe/1: experts, router, router_bias and the first eight keys) still load, as
+layers without the version-2 features; their router_bias counts only under sigmoid_bias routing, as it
+did. A reader refuses a version it does not know.
 
 Also the synthetic demo checkpoint (`write_demo`)."""
 import dataclasses
@@ -28,19 +36,22 @@ import pathlib
 
 import numpy as np
 
+from colibri import fp8
 from colibri import safetensors_io as st
 from colibri._native import ColibriError, STATUS_INVALID_ARGUMENT
 from colibri.dtypes import from_float
 from colibri.config import ACTIVATIONS, EXPERT_KINDS, GROUP_SCORES, ROUTINGS, LayerConfig
 
 FORMAT_PREFIX = "colibri-moe/"
-FORMAT_VERSION = 2
-FORMAT = f"{FORMAT_PREFIX}{FORMAT_VERSION}"
-KNOWN_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest this code reads and writes; files get the lowest that describes them
+KNOWN_VERSIONS = (1, 2, 3)
 REQUIRED_METADATA = ("expert_kind", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",
                      "renormalize")
 V1_TENSORS = ("experts", "router", "router_bias")
 V2_TENSORS = V1_TENSORS + ("router_logit_bias", "expert_bias", "shared_expert", "shared_expert_gate")
+V3_TENSORS = V2_TENSORS + ("expert_scales", "shared_expert_scales")
+# The experts' safetensors dtypes each version may hold.
+EXPERT_DTYPES = {1: ("F32", "F16", "BF16"), 2: ("F32", "F16", "BF16"), 3: ("F32", "F16", "BF16", "F8_E4M3")}
 
 
 @dataclasses.dataclass
@@ -55,10 +66,17 @@ class Checkpoint:
     expert_bias: np.ndarray = None         # [E, 2F+H] (linear [E, F]) float32
     shared_expert: np.ndarray = None       # [3*Fs*H], the experts' dtype storage
     shared_expert_gate: np.ndarray = None  # [H] float32
+    expert_scales: np.ndarray = None       # fp8: [E, scales_numel] float32
+    shared_expert_scales: np.ndarray = None  # fp8 with a shared expert: [shared_scales_numel] float32
 
     @property
     def version(self) -> int:
         return format_version(self.metadata or {})
+
+
+def version_for(config: LayerConfig) -> int:
+    """The lowest format version that describes the layer: 3 for fp8 experts, else 2."""
+    return 3 if config.fp8 else 2
 
 
 def _fail(path, message) -> ColibriError:
@@ -70,9 +88,11 @@ def _flag(value: bool) -> str:
 
 
 def config_metadata(config: LayerConfig) -> dict:
+    version = version_for(config)
+    scale_blocks = {"scale_block_n": str(config.scale_block_n), "scale_block_k": str(config.scale_block_k)}
     return {
-        "format": FORMAT, "expert_kind": config.expert_kind, "num_experts": str(config.num_experts),
-        "top_k": str(config.top_k), "hidden_size": str(config.hidden_size),
+        "format": f"{FORMAT_PREFIX}{version}", "expert_kind": config.expert_kind,
+        "num_experts": str(config.num_experts), "top_k": str(config.top_k), "hidden_size": str(config.hidden_size),
         "intermediate_size": str(config.intermediate_size), "routing": config.routing,
         "renormalize": _flag(config.renormalize),
         "routed_scaling_factor": repr(float(config.routed_scaling_factor)),
@@ -80,6 +100,7 @@ def config_metadata(config: LayerConfig) -> dict:
         "activation": config.activation, "activation_alpha": repr(float(config.activation_alpha)),
         "activation_limit": repr(float(config.activation_limit)), "expert_bias": _flag(config.expert_bias),
         "shared_intermediate_size": str(config.shared_intermediate_size), "shared_gate": _flag(config.shared_gate),
+        **(scale_blocks if version >= 3 else {}),
     }
 
 
@@ -145,6 +166,8 @@ def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
             activation_alpha=number("activation_alpha", "1.702"), activation_limit=number("activation_limit", "7.0"),
             expert_bias=flag("expert_bias"), shared_intermediate_size=integer("shared_intermediate_size", 0),
             shared_gate=flag("shared_gate"), has_router_logit_bias="router_logit_bias" in tensors)
+    if version >= 3:
+        fields.update(scale_block_n=integer("scale_block_n", 0), scale_block_k=integer("scale_block_k", 0))
     config = LayerConfig(**fields)
     try:
         config.validate()
@@ -171,8 +194,12 @@ def _open(path):
         raise _fail(path, "has no 'experts' tensor")
     info = file.tensors["experts"]
     weight_dtype = st.SAFETENSORS_TO_COLIBRI.get(info.dtype)
-    if weight_dtype is None:
-        raise _fail(path, f"tensor 'experts' has dtype {info.dtype}, expected F32, F16 or BF16")
+    version = format_version(file.metadata)
+    if weight_dtype is None or (version in EXPERT_DTYPES and info.dtype not in EXPERT_DTYPES[version]):
+        allowed = EXPERT_DTYPES.get(version, EXPERT_DTYPES[FORMAT_VERSION])
+        newer = " (fp8 experts need format colibri-moe/3)" if info.dtype == "F8_E4M3" else ""
+        raise _fail(path, f"tensor 'experts' has dtype {info.dtype}, expected {', '.join(allowed[:-1])} or "
+                          f"{allowed[-1]}{newer}")
     return file, _parse_config(path, file.metadata, weight_dtype, file.tensors)
 
 
@@ -184,11 +211,13 @@ def load(path) -> Checkpoint:
     E, H = config.num_experts, config.hidden_size
     expected = {"experts": (E, config.expert_numel), "router": (E, H), "router_bias": (E,)}
     if version >= 2:
-        unknown = sorted(set(file.tensors) - set(V2_TENSORS))
+        known = V3_TENSORS if version >= 3 else V2_TENSORS
+        unknown = sorted(set(file.tensors) - set(known))
         if unknown:
-            raise _fail(path, f"unknown tensor {unknown[0]!r} (a colibri-moe/2 file holds {', '.join(V2_TENSORS)})")
+            raise _fail(path, f"unknown tensor {unknown[0]!r} (a colibri-moe/{version} file holds {', '.join(known)})")
         wanted = {"expert_bias": config.expert_bias, "shared_expert": config.shared_intermediate_size > 0,
-                  "shared_expert_gate": config.shared_gate}
+                  "shared_expert_gate": config.shared_gate, "expert_scales": config.fp8,
+                  "shared_expert_scales": config.fp8 and config.shared_intermediate_size > 0}
         for name, asked in wanted.items():
             if asked and name not in file:
                 raise _fail(path, f"the metadata asks for tensor {name!r} but the file has none")
@@ -198,10 +227,12 @@ def load(path) -> Checkpoint:
         if "router_logit_bias" in file and "router" not in file:
             raise _fail(path, "tensor 'router_logit_bias' without a 'router'")
         expected.update(router_logit_bias=(E,), expert_bias=(E, config.expert_bias_width),
-                        shared_expert=(config.shared_numel,), shared_expert_gate=(H,))
+                        shared_expert=(config.shared_numel,), shared_expert_gate=(H,),
+                        expert_scales=(E, config.scales_numel), shared_expert_scales=(config.shared_scales_numel,))
     for name, shape in expected.items():
         if name in file and file.tensors[name].shape != shape:
-            raise _fail(path, f"tensor {name!r} has shape {list(file.tensors[name].shape)}, expected {list(shape)}")
+            raise _fail(path, f"tensor {name!r} has shape {list(file.tensors[name].shape)}, expected {list(shape)}"
+                              + _grids_explained(config, name))
         if name not in ("experts", "shared_expert") and name in file and file.tensors[name].dtype != "F32":
             raise _fail(path, f"tensor {name!r} has dtype {file.tensors[name].dtype}, expected F32")
     if "shared_expert" in file and file.tensors["shared_expert"].dtype != file.tensors["experts"].dtype:
@@ -216,20 +247,40 @@ def load(path) -> Checkpoint:
     if version == 1 and config.routing != "sigmoid_bias":
         router_bias = None  # colibri-moe/1 used it for sigmoid_bias routing only
     return Checkpoint(config, file.get("experts"), get("router"), router_bias, file, dict(file.metadata),
-                      get("router_logit_bias"), get("expert_bias"), get("shared_expert"), get("shared_expert_gate"))
+                      get("router_logit_bias"), get("expert_bias"), get("shared_expert"), get("shared_expert_gate"),
+                      get("expert_scales"), get("shared_expert_scales"))
+
+
+def _grids_explained(config: LayerConfig, name: str) -> str:
+    """For a scale tensor, where its expected shape comes from: the grids of each matrix."""
+    if name not in ("expert_scales", "shared_expert_scales"):
+        return ""
+    F, count = (config.intermediate_size, f"E={config.num_experts} experts of ") if name == "expert_scales" \
+        else (config.shared_intermediate_size, "")
+    kind = config.expert_kind if name == "expert_scales" else "swiglu"
+    names = ("gate", "up", "down") if kind == "swiglu" else ("w",)
+    grids = ", ".join(f"{n} {list(s)} -> {list(fp8.grid_shape(s, config.scale_block_n, config.scale_block_k))}"
+                      for n, s in zip(names, fp8.matrix_shapes(kind, config.hidden_size, F)))
+    return f" ({count}scale grids {grids} for scale block ({config.scale_block_n}, {config.scale_block_k}))"
 
 
 def save(path, config: LayerConfig, experts, router=None, router_bias=None, extra_metadata=None,
-         router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None) -> None:
-    """Writes a packed checkpoint (format colibri-moe/2); `experts` and `shared_expert` may be arrays
-    (in the weight dtype's storage) or safetensors_io.LazyTensors. The config's flags must match the
-    tensors given (config.has_router_logit_bias follows router_logit_bias)."""
+         router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None,
+         expert_scales=None, shared_expert_scales=None) -> None:
+    """Writes a packed checkpoint (format colibri-moe/2, or 3 for fp8 experts); `experts`, `shared_expert`
+    and `expert_scales` may be arrays (in the weight dtype's storage; scales float32) or
+    safetensors_io.LazyTensors. The tensors are written in that order, so a lazy expert_scales may be
+    filled while the experts are streamed. The config's flags must match the tensors given
+    (config.has_router_logit_bias follows router_logit_bias; fp8 experts come with their scales)."""
     config = dataclasses.replace(config, has_router=router is not None,
                                  has_router_logit_bias=router_logit_bias is not None)
     config.validate()
     for name, value, asked in (("expert_bias", expert_bias, config.expert_bias),
                                ("shared_expert", shared_expert, config.shared_intermediate_size > 0),
-                               ("shared_expert_gate", shared_expert_gate, config.shared_gate)):
+                               ("shared_expert_gate", shared_expert_gate, config.shared_gate),
+                               ("expert_scales", expert_scales, config.fp8),
+                               ("shared_expert_scales", shared_expert_scales,
+                                config.fp8 and config.shared_intermediate_size > 0)):
         if (value is not None) != asked:
             raise ColibriError(f"{path}: {name} {'missing' if asked else 'given'} but the config "
                                f"{'asks for it' if asked else 'does not ask for it'}", STATUS_INVALID_ARGUMENT)
@@ -241,6 +292,12 @@ def save(path, config: LayerConfig, experts, router=None, router_bias=None, extr
     if shared_expert is not None:  # beside the experts: same dtype, so it stays aligned as they are
         tensors["shared_expert"] = shared_expert if isinstance(shared_expert, st.LazyTensor) \
             else (dtype, np.asarray(shared_expert).reshape(-1))
+    if expert_scales is not None:
+        tensors["expert_scales"] = expert_scales if isinstance(expert_scales, st.LazyTensor) \
+            else _scales(path, "expert_scales", expert_scales, (config.num_experts, config.scales_numel))
+    if shared_expert_scales is not None:
+        tensors["shared_expert_scales"] = _scales(path, "shared_expert_scales", shared_expert_scales,
+                                                  (config.shared_scales_numel,))
     if router is not None:
         tensors["router"] = np.asarray(router, np.float32)
     if router_bias is not None:
@@ -254,17 +311,29 @@ def save(path, config: LayerConfig, experts, router=None, router_bias=None, extr
     st.write(path, tensors, {**(extra_metadata or {}), **config_metadata(config)})
 
 
+def _scales(path, name, value, shape) -> np.ndarray:
+    """A scale tensor as float32 of `shape` (any layout with that many elements), or ColibriError."""
+    array = np.asarray(value, np.float32)
+    if array.size != int(np.prod(shape)):
+        raise ColibriError(f"{path}: {name} has {array.size} scales, expected {int(np.prod(shape))} "
+                           f"({list(shape)})", STATUS_INVALID_ARGUMENT)
+    return array.reshape(shape)
+
+
 DEMO_DEFAULTS = dict(experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf16", seed=0,
                      routing="softmax_topk", kind="swiglu")
 
 
 def demo_config(experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf16", routing="softmax_topk",
                 kind="swiglu", renormalize=None, routed_scaling_factor=1.0) -> LayerConfig:
-    """The validated config of a demo checkpoint (with a router; renormalize defaults to True)."""
+    """The validated config of a demo checkpoint (with a router; renormalize defaults to True; fp8
+    weights in 128 x 128 scale blocks)."""
+    blocks = fp8.BLOCK if dtype == "fp8_e4m3" else (0, 0)
     config = LayerConfig(expert_kind=kind, num_experts=experts, top_k=top_k, hidden_size=hidden,
                          intermediate_size=intermediate, weight_dtype=dtype, routing=routing,
                          renormalize=True if renormalize is None else renormalize,
-                         routed_scaling_factor=routed_scaling_factor, has_router=True)
+                         routed_scaling_factor=routed_scaling_factor, has_router=True,
+                         scale_block_n=blocks[0], scale_block_k=blocks[1])
     config.validate()
     return config
 
@@ -273,24 +342,29 @@ def write_demo(path, experts=8, top_k=2, hidden=256, intermediate=512, dtype="bf
                routing="softmax_topk", kind="swiglu", renormalize=None, routed_scaling_factor=1.0) -> LayerConfig:
     """A synthetic checkpoint with a router. Weights ~ N(0, 1/fan_in) so activations stay O(1).
     bf16 by default: the dtype real MoE checkpoints ship in, and half the bytes a read-bound decode
-    step streams, so the demo exercises the path real models take. renormalize defaults to True
-    for softmax_topk and sigmoid_bias routing."""
+    step streams, so the demo exercises the path real models take. dtype fp8_e4m3 quantises the same
+    weights to fp8 in 128 x 128 blocks (colibri.fp8.quantize). renormalize defaults to True for
+    softmax_topk and sigmoid_bias routing."""
     config = demo_config(experts, top_k, hidden, intermediate, dtype, routing, kind, renormalize,
                          routed_scaling_factor)
     rng = np.random.default_rng(seed)
     H, F = hidden, intermediate
 
-    def expert_rows():
+    def expert_matrices():
         for _ in range(experts):
             if kind == "swiglu":
-                parts = (rng.standard_normal((2 * F, H), np.float32) / np.sqrt(H),
-                         rng.standard_normal((H, F), np.float32) / np.sqrt(F))
+                gate_up = rng.standard_normal((2 * F, H), np.float32) / np.sqrt(H)
+                yield gate_up[:F], gate_up[F:], rng.standard_normal((H, F), np.float32) / np.sqrt(F)
             else:
-                parts = (rng.standard_normal((F, H), np.float32) / np.sqrt(H),)
-            yield from_float(np.concatenate([p.reshape(-1) for p in parts]), dtype)
+                yield (rng.standard_normal((F, H), np.float32) / np.sqrt(H),)
 
-    packed = np.stack(list(expert_rows()))
+    if config.fp8:
+        quantised = [fp8.quantize_matrices(m, *fp8.BLOCK) for m in expert_matrices()]
+        packed, scales = np.stack([q[0] for q in quantised]), np.stack([q[1] for q in quantised])
+    else:
+        packed = np.stack([from_float(np.concatenate([m.reshape(-1) for m in ms]), dtype) for ms in expert_matrices()])
+        scales = None
     router = rng.standard_normal((experts, H), np.float32) / np.sqrt(H)
     bias = (0.1 * rng.standard_normal(experts)).astype(np.float32) if routing == "sigmoid_bias" else None
-    save(path, config, packed, router, bias, {"source": f"colibri demo (seed {seed})"})
+    save(path, config, packed, router, bias, {"source": f"colibri demo (seed {seed})"}, expert_scales=scales)
     return config

@@ -5,8 +5,10 @@ import math
 
 import numpy as np
 
-from colibri._native import ACTIVATION_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES, ROUTING_CODES, invalid
-from colibri.dtypes import FLOAT_DTYPES
+from colibri._native import (ACTIVATION_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES, ROUTING_CODES,
+                             STATUS_UNSUPPORTED, ColibriError, invalid)
+from colibri.dtypes import WEIGHT_DTYPES
+from colibri.fp8 import scales_numel
 
 ROUTINGS = tuple(ROUTING_CODES)
 EXPERT_KINDS = tuple(EXPERT_KIND_CODES)
@@ -26,7 +28,7 @@ class LayerConfig:
     hidden_size: int                       # H
     intermediate_size: int                 # F (linear: the output width)
     expert_kind: str = "swiglu"            # 'swiglu' | 'linear'
-    weight_dtype: str = "fp32"             # 'fp32' | 'fp16' | 'bf16'
+    weight_dtype: str = "fp32"             # 'fp32' | 'fp16' | 'bf16' | 'fp8_e4m3' (with scale grids)
     routing: str = "softmax_topk"          # 'softmax_topk' | 'topk_softmax' | 'sigmoid_bias'
     renormalize: bool = True
     routed_scaling_factor: float = 1.0
@@ -42,6 +44,10 @@ class LayerConfig:
     shared_intermediate_size: int = 0      # Fs: a shared SiLU SwiGLU expert when > 0
     shared_gate: bool = False              # shared expert output times sigmoid(shared_gate . x)
     has_router_logit_bias: bool = False    # router_logit_bias [E] added to the logits
+    # fp8 weights only (else 0): rows and columns of a matrix one scale covers, 0 = all of them
+    # ((128, 128) DeepSeek-V3's blocks, (1, 0) per output channel, (0, 0) per tensor; colibri.fp8).
+    scale_block_n: int = 0
+    scale_block_k: int = 0
 
     @property
     def out_features(self) -> int:
@@ -58,8 +64,8 @@ class LayerConfig:
             return invalid(f"config.{field}: expected {wanted}, got {getattr(self, field)!r}")
         if self.expert_kind not in EXPERT_KINDS:
             raise bad("expert_kind", " | ".join(EXPERT_KINDS))
-        if self.weight_dtype not in FLOAT_DTYPES:
-            raise bad("weight_dtype", " | ".join(FLOAT_DTYPES))
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise bad("weight_dtype", " | ".join(WEIGHT_DTYPES))
         if self.routing not in ROUTINGS:
             raise bad("routing", " | ".join(ROUTINGS))
         for field in ("num_experts", "hidden_size", "intermediate_size"):
@@ -101,6 +107,24 @@ class LayerConfig:
             raise invalid("config.shared_intermediate_size: a shared expert needs swiglu experts (its output is [T, H])")
         if self.shared_gate and not self.shared_intermediate_size:
             raise invalid("config.shared_gate: set without a shared expert (shared_intermediate_size is 0)")
+        self._validate_scale_blocks()
+
+    def _validate_scale_blocks(self) -> None:
+        bn, bk = self.scale_block_n, self.scale_block_k
+        if self.weight_dtype != "fp8_e4m3":
+            if (bn, bk) != (0, 0):
+                raise invalid(f"config.scale_block_n, scale_block_k: ({bn!r}, {bk!r}) apply to fp8_e4m3 weights "
+                              f"only, these are {self.weight_dtype}: expected (0, 0)")
+            return
+        for field in ("scale_block_n", "scale_block_k"):
+            value = getattr(self, field)
+            if not _is_int(value) or not 0 <= value < 2**31:
+                raise invalid(f"config.{field}: expected an integer >= 0 (0: the whole dimension), got {value!r}")
+        # The shared expert runs as slices of width F (colibri.h): each slice must start on a scale block.
+        F = self.intermediate_size
+        if self.shared_intermediate_size > F and ((bn and F % bn) or (bk and F % bk)):
+            raise ColibriError(f"config.shared_intermediate_size: an fp8 shared expert wider than intermediate_size="
+                               f"{F} needs it to be a multiple of the scale block ({bn}, {bk})", STATUS_UNSUPPORTED)
 
     @property
     def expert_bias_width(self) -> int:
@@ -114,10 +138,30 @@ class LayerConfig:
         return 3 * self.shared_intermediate_size * self.hidden_size
 
     @property
+    def fp8(self) -> bool:
+        return self.weight_dtype == "fp8_e4m3"
+
+    @property
+    def scales_numel(self) -> int:
+        """fp8 scales of one expert (its grids back to back: gate, up, down; linear w); 0 otherwise."""
+        if not self.fp8:
+            return 0
+        return scales_numel(self.expert_kind, self.hidden_size, self.intermediate_size, self.scale_block_n,
+                            self.scale_block_k)
+
+    @property
+    def shared_scales_numel(self) -> int:
+        """fp8 scales of the shared expert (gate [Fs,H], up [Fs,H], down [H,Fs] grids); 0 without one or fp8."""
+        if not self.fp8 or not self.shared_intermediate_size:
+            return 0
+        return scales_numel("swiglu", self.hidden_size, self.shared_intermediate_size, self.scale_block_n,
+                            self.scale_block_k)
+
+    @property
     def uses_v2_features(self) -> bool:
         """Whether the layer needs more than colibri_moe_context_init (and colibri-moe/1) can express."""
         return (self.n_group > 1 or self.activation != "silu" or self.expert_bias or self.shared_intermediate_size > 0
-                or self.has_router_logit_bias)
+                or self.has_router_logit_bias or self.fp8)
 
 
 def _is_int(value) -> bool:

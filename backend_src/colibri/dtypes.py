@@ -1,13 +1,58 @@
-"""Element types Colibri knows, by one name each ('fp32', 'fp16', 'bf16'), and numpy-only helpers for
-bfloat16, which numpy lacks: bf16 values travel in numpy as their raw uint16 bit patterns."""
+"""Element types Colibri knows, by one name each ('fp32', 'fp16', 'bf16'; weights also 'fp8_e4m3'), and
+numpy-only helpers for the ones numpy lacks: bfloat16 values travel in numpy as their raw uint16 bit
+patterns, fp8 e4m3 values as their uint8 codes."""
 import numpy as np
 
-FLOAT_DTYPES = ("fp32", "fp16", "bf16")
+FLOAT_DTYPES = ("fp32", "fp16", "bf16")            # activations, and weights
+WEIGHT_DTYPES = FLOAT_DTYPES + ("fp8_e4m3",)       # fp8 is for weights only, with scales (colibri.fp8)
 
-# Storage numpy dtype of each float dtype (bf16: its bits).
-STORAGE = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(np.uint16)}
+# Storage numpy dtype of each dtype (bf16: its bits; fp8: its codes).
+STORAGE = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(np.uint16),
+           "fp8_e4m3": np.dtype(np.uint8)}
 
-ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
+
+# fp8 e4m3 as OCP's "e4m3fn" (torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
+# infinities, S.1111.111 is NaN, the largest finite value is 448.
+FP8_E4M3_MAX = 448.0
+
+
+def _fp8_e4m3_values() -> np.ndarray:
+    codes = np.arange(256)
+    exponent, mantissa = (codes >> 3) & 0xF, codes & 7
+    magnitude = np.where(exponent == 0, mantissa * 2.0 ** -9, (8 + mantissa) * np.exp2(exponent - 10.0))
+    values = np.where(codes & 0x80, -magnitude, magnitude)
+    values[(codes & 0x7F) == 0x7F] = np.nan
+    return values.astype(np.float32)
+
+
+FP8_E4M3_VALUES = _fp8_e4m3_values()  # code -> its value, exact in float32
+
+
+def fp8_e4m3_to_float32(codes) -> np.ndarray:
+    """Widens fp8 e4m3 codes (uint8) to float32 exactly; 0x7f and 0xff are NaN."""
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8:
+        raise TypeError(f"fp8 e4m3 values are stored as uint8 codes, got {codes.dtype}")
+    return FP8_E4M3_VALUES[codes]
+
+
+def float_to_fp8_e4m3(values) -> np.ndarray:
+    """Rounds float values (float64 and narrower, each rounded once) to the nearest fp8 e4m3, ties to
+    even, saturating at +-448 (Inf too), as torch's x.clamp(-448, 448).to(torch.float8_e4m3fn) does;
+    NaN stays NaN (0x7f, 0xff when its sign is set). Returns the uint8 codes."""
+    x = np.asarray(values, np.float64)
+    magnitude = np.minimum(np.abs(x), FP8_E4M3_MAX)   # NaN stays NaN
+    # The binade of each value, 2^-6 (the smallest normal) at least: below it the subnormals share its
+    # spacing. In binade [2^e, 2^(e+1)) the values are n * 2^(e-3), n in [8, 16).
+    _, exponent = np.frexp(np.maximum(magnitude, 2.0 ** -10))
+    biased = np.maximum(exponent - 1, -6) + 7
+    with np.errstate(invalid="ignore"):
+        steps = np.rint(np.ldexp(magnitude, 10 - biased))  # n; rint rounds ties to even
+        # code = biased exponent * 8 + mantissa = (biased - 1) * 8 + n; n = 16 carries into the next binade,
+        # and below 2^-6 (biased 1) the code is n itself: the subnormals, then 2^-6.
+        codes = np.where(np.isnan(magnitude), 0x7F, (biased - 1) * 8 + np.nan_to_num(steps)).astype(np.uint8)
+    return codes | np.where(np.signbit(x), np.uint8(0x80), np.uint8(0))
 
 
 def float32_to_bf16(values) -> np.ndarray:
@@ -31,9 +76,11 @@ def bf16_to_float32(bits) -> np.ndarray:
 
 
 def to_float32(values: np.ndarray, dtype: str) -> np.ndarray:
-    """Values stored as `dtype` (bf16: uint16 bits) widened exactly to float32."""
+    """Values stored as `dtype` (bf16: uint16 bits; fp8: codes, without any scale) widened exactly to float32."""
     if dtype == "bf16":
         return bf16_to_float32(values)
+    if dtype == "fp8_e4m3":
+        return fp8_e4m3_to_float32(values)
     return np.asarray(values, dtype=STORAGE[dtype]).astype(np.float32)
 
 
@@ -43,9 +90,12 @@ def to_float64(values: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def from_float(values, dtype: str) -> np.ndarray:
-    """Rounds float values to `dtype` storage (bf16: uint16 bits)."""
+    """Rounds float values to `dtype` storage (bf16: uint16 bits; fp8: codes, saturating, without any
+    scale: colibri.fp8.quantize finds the scales)."""
     if dtype == "bf16":
         return float32_to_bf16(np.asarray(values, dtype=np.float32))
+    if dtype == "fp8_e4m3":
+        return float_to_fp8_e4m3(values)
     return np.asarray(values).astype(STORAGE[dtype])
 
 

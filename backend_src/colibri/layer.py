@@ -13,7 +13,7 @@ import numpy as np
 
 from colibri import dlpack
 from colibri._native import (ACTIVATION_CODES, DEVICE_CODES, DTYPE_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES,
-                             HAS_CONTEXT_CREATE, ROUTING_CODES, STATUS_OK, STATUS_ROUTING, STATUS_UNSUPPORTED,
+                             HAS_CONTEXT_CREATE, HAS_FP8, ROUTING_CODES, STATUS_OK, STATUS_ROUTING, STATUS_UNSUPPORTED,
                              ColibriError, check, ffi, invalid, lib)
 from colibri.config import LayerConfig
 from colibri.dtypes import FLOAT_DTYPES, STORAGE
@@ -47,8 +47,11 @@ def _pointer(ctype: str, array):
 class MoELayer:
     """One MoE layer on 'cpu' or 'cuda' (device_id). See forward() for how inputs are taken.
 
-    experts: host array [E, expert_numel] in config.weight_dtype (bf16 as uint16 bits); on the CPU it
-    is used in place (kept referenced by the layer), on CUDA copied to the GPU once.
+    experts: host array [E, expert_numel] in config.weight_dtype (bf16 as uint16 bits, fp8_e4m3 as
+    uint8 codes); on the CPU it is used in place (kept referenced by the layer), on CUDA copied to the
+    GPU once. fp8 weights come with expert_scales [E, config.scales_numel] (each expert's scale grids,
+    colibri.fp8) and, with a shared expert, shared_expert_scales [config.shared_scales_numel]: host
+    float arrays, copied.
     router [E, H], router_bias [E] (selection only), router_logit_bias [E] (added to the logits),
     expert_bias [E, 2F+H] (linear [E, F]) and shared_expert_gate [H]: host float arrays, copied.
     shared_expert [3*Fs*H] (gate, up, down): host array in weight_dtype storage, used in place on the
@@ -60,7 +63,8 @@ class MoELayer:
 
     def __init__(self, config: LayerConfig, experts, router=None, router_bias=None, device="cpu", device_id=0,
                  workspace_tokens=0, num_threads=0, routing_fn=None, _keepalive=None, router_logit_bias=None,
-                 expert_bias=None, shared_expert=None, shared_expert_gate=None):
+                 expert_bias=None, shared_expert=None, shared_expert_gate=None, expert_scales=None,
+                 shared_expert_scales=None):
         config.validate()
         device, device_id = _parse_device(device, device_id)
         E, H = config.num_experts, config.hidden_size
@@ -81,11 +85,19 @@ class MoELayer:
             router_logit_bias = _float_array("router_logit_bias", router_logit_bias, (E,))
         for name, value, field in (("expert_bias", expert_bias, "expert_bias"),
                                    ("shared_expert", shared_expert, "shared_intermediate_size"),
-                                   ("shared_expert_gate", shared_expert_gate, "shared_gate")):
+                                   ("shared_expert_gate", shared_expert_gate, "shared_gate"),
+                                   ("expert_scales", expert_scales, "scales_numel"),
+                                   ("shared_expert_scales", shared_expert_scales, "shared_scales_numel")):
             asked = bool(getattr(config, field))
             if (value is not None) != asked:  # nothing given goes unused, nothing asked for is missing
-                raise invalid(f"{name}: {'missing' if asked else 'given'}, but config.{field} is "
-                              f"{getattr(config, field)!r}")
+                why = f"weight_dtype is {config.weight_dtype!r}" if field.endswith("scales_numel") and not config.fp8 \
+                    else f"config.{field} is {getattr(config, field)!r}"
+                raise invalid(f"{name}: {'missing' if asked else 'given'}, but {why}")
+        if expert_scales is not None:
+            expert_scales = _float_array("expert_scales", expert_scales, (E, config.scales_numel))
+        if shared_expert_scales is not None:
+            shared_expert_scales = _float_array("shared_expert_scales", np.asarray(shared_expert_scales).reshape(-1),
+                                                (config.shared_scales_numel,))
         if expert_bias is not None:
             expert_bias = _float_array("expert_bias", np.asarray(expert_bias), (E, config.expert_bias_width))
         if shared_expert_gate is not None:
@@ -113,6 +125,9 @@ class MoELayer:
             raise ColibriError("this libcolibri has no colibri_moe_context_create (built before shared experts, "
                                "expert biases, router logit biases, group-limited routing and swiglu_oai): "
                                "rebuild it with `make`", STATUS_UNSUPPORTED)
+        if config.fp8 and not HAS_FP8:
+            raise ColibriError("this libcolibri predates fp8 weights (no COLIBRI_DTYPE_F8E4M3): rebuild it with `make`",
+                               STATUS_UNSUPPORTED)
         self.device = device if device == "cpu" else f"cuda:{device_id}"
         self.device_id = device_id
         self._device_type = dlpack.KDL_CPU if device == "cpu" else dlpack.KDL_CUDA
@@ -143,6 +158,8 @@ class MoELayer:
             cfg.expert_bias = int(bool(config.expert_bias))
             cfg.shared_intermediate_size = config.shared_intermediate_size
             cfg.shared_gate = int(bool(config.shared_gate))
+            if HAS_FP8:
+                cfg.scale_block_n, cfg.scale_block_k = config.scale_block_n, config.scale_block_k
             weights = ffi.new("colibri_moe_weights_t *")
             weights.expert_weights = _pointer("void *", experts)
             weights.expert_offsets, weights.expert_weights_numel = offsets, experts.size
@@ -152,6 +169,9 @@ class MoELayer:
             weights.router_bias = _pointer("float *", router_bias)
             weights.shared_weights = _pointer("void *", shared_expert)
             weights.shared_gate_weight = _pointer("float *", shared_expert_gate)
+            if HAS_FP8:
+                weights.expert_scales = _pointer("float *", expert_scales)
+                weights.shared_scales = _pointer("float *", shared_expert_scales)
             check(lib.colibri_moe_context_create(out, cfg, weights), "colibri_moe_context_create")
         else:
             check(lib.colibri_moe_context_init(
@@ -172,7 +192,8 @@ class MoELayer:
             return cls(ckpt.config, ckpt.experts, ckpt.router, ckpt.router_bias, device=device, device_id=device_id,
                        workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file,
                        router_logit_bias=ckpt.router_logit_bias, expert_bias=ckpt.expert_bias,
-                       shared_expert=ckpt.shared_expert, shared_expert_gate=ckpt.shared_expert_gate)
+                       shared_expert=ckpt.shared_expert, shared_expert_gate=ckpt.shared_expert_gate,
+                       expert_scales=ckpt.expert_scales, shared_expert_scales=ckpt.shared_expert_scales)
         except ColibriError as error:  # e.g. a NaN in the router: say which file holds it
             raise ColibriError(f"{path}: {error.args[0]}", error.status) from error
 

@@ -1,7 +1,8 @@
 """The float64 reference of an MoE layer: plain numpy following colibri.h's documented semantics, for
 tests and for checking checkpoints. Inputs are float arrays (bf16 callers widen their uint16 bits
 first with colibri.dtypes.to_float32); expert and shared-expert weights are taken in their storage
-dtype.
+dtype. fp8 weights are dequantised exactly with their scale grids (colibri.fp8): the reference of record
+for an fp8 layer is the layer of its dequantised weights.
 
 Routing (colibri.h, colibri_routing_t): logits l = W x + router_logit_bias; a score p = softmax(l),
 l or sigmoid(l); the selection score s = p + router_bias; with n_group > 1 only the experts of the
@@ -11,6 +12,7 @@ sigmoid_bias when asked, times routed_scaling_factor. The shared expert, when th
 with weight 1 or sigmoid(shared_gate . x)."""
 import numpy as np
 
+from colibri import fp8
 from colibri.dtypes import to_float64
 
 
@@ -114,20 +116,33 @@ def group_margin(config, logits, router_bias=None) -> np.ndarray:
     return topk_margin(group_scores(config, raw_selection_scores(config, logits, router_bias)), config.topk_group)
 
 
-def expert_weights(config, experts, e: int):
-    """Expert e's matrices in float64: swiglu (gate [F,H], up [F,H], down [H,F]); linear (w [F,H],)."""
-    H, F = config.hidden_size, config.intermediate_size
-    row = to_float64(np.asarray(experts).reshape(config.num_experts, -1)[e], config.weight_dtype)
-    if config.expert_kind == "linear":
-        return (row.reshape(F, H),)
-    return row[:F * H].reshape(F, H), row[F * H:2 * F * H].reshape(F, H), row[2 * F * H:].reshape(H, F)
+def _matrices(config, flat, scales, shapes):
+    """The matrices of `shapes` stored back to back in `flat` (weight_dtype storage), in float64;
+    fp8 codes times their scale grids (`scales`, back to back likewise)."""
+    if config.weight_dtype == "fp8_e4m3":
+        if scales is None:
+            raise ValueError("fp8 weights need their scales")
+        return tuple(fp8.dequantize_matrices(flat, scales, shapes, config.scale_block_n, config.scale_block_k))
+    values, matrices, at = to_float64(np.asarray(flat).reshape(-1), config.weight_dtype), [], 0
+    for rows, cols in shapes:
+        matrices.append(values[at:at + rows * cols].reshape(rows, cols))
+        at += rows * cols
+    return tuple(matrices)
 
 
-def shared_weights(config, shared_expert):
-    """The shared expert's gate [Fs,H], up [Fs,H], down [H,Fs] in float64."""
-    H, Fs = config.hidden_size, config.shared_intermediate_size
-    flat = to_float64(np.asarray(shared_expert).reshape(-1), config.weight_dtype)
-    return flat[:Fs * H].reshape(Fs, H), flat[Fs * H:2 * Fs * H].reshape(Fs, H), flat[2 * Fs * H:].reshape(H, Fs)
+def expert_weights(config, experts, e: int, expert_scales=None):
+    """Expert e's matrices in float64: swiglu (gate [F,H], up [F,H], down [H,F]); linear (w [F,H],).
+    fp8: expert_scales [E, scales_numel] gives their scale grids."""
+    E = config.num_experts
+    scales = None if expert_scales is None else np.asarray(expert_scales).reshape(E, -1)[e]
+    return _matrices(config, np.asarray(experts).reshape(E, -1)[e], scales,
+                     fp8.matrix_shapes(config.expert_kind, config.hidden_size, config.intermediate_size))
+
+
+def shared_weights(config, shared_expert, shared_scales=None):
+    """The shared expert's gate [Fs,H], up [Fs,H], down [H,Fs] in float64 (fp8: with its scale grids)."""
+    return _matrices(config, shared_expert, shared_scales,
+                     fp8.matrix_shapes("swiglu", config.hidden_size, config.shared_intermediate_size))
 
 
 def activation(config, g, u) -> np.ndarray:
@@ -155,9 +170,9 @@ def expert_forward(config, weights, x, bias=None) -> np.ndarray:
     return y if bias is None else y + bias[2 * F:]
 
 
-def shared_forward(config, shared_expert, x, shared_expert_gate=None) -> np.ndarray:
+def shared_forward(config, shared_expert, x, shared_expert_gate=None, shared_scales=None) -> np.ndarray:
     """The shared expert (SiLU SwiGLU, no biases) on x [T, H], times sigmoid(shared_gate . x) if gated."""
-    gate, up, down = shared_weights(config, shared_expert)
+    gate, up, down = shared_weights(config, shared_expert, shared_scales)
     g = x @ gate.T
     y = (g * _sigmoid(g) * (x @ up.T)) @ down.T
     if config.shared_gate:
@@ -166,9 +181,11 @@ def shared_forward(config, shared_expert, x, shared_expert_gate=None) -> np.ndar
 
 
 def moe_forward(config, experts, x, topk_ids=None, topk_weights=None, router=None, router_bias=None,
-                router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None) -> np.ndarray:
+                router_logit_bias=None, expert_bias=None, shared_expert=None, shared_expert_gate=None,
+                expert_scales=None, shared_expert_scales=None) -> np.ndarray:
     """output [T, out_features] float64 = sum_j w[t, j] * expert_{ids[t, j]}(x[t]) (+ the shared
-    expert); routing from the router when topk_ids / topk_weights are not given."""
+    expert); routing from the router when topk_ids / topk_weights are not given. fp8 weights come with
+    expert_scales [E, scales_numel] (and shared_expert_scales for the shared expert)."""
     x = np.asarray(x, np.float64)
     if topk_ids is None:
         topk_ids, topk_weights, _ = route(config, x, router, router_bias, router_logit_bias)
@@ -178,18 +195,19 @@ def moe_forward(config, experts, x, topk_ids=None, topk_weights=None, router=Non
     biases = None if expert_bias is None else np.asarray(expert_bias, np.float64).reshape(config.num_experts, -1)
     for e in np.unique(topk_ids):
         tokens, slots = np.nonzero(topk_ids == e)
-        y = expert_forward(config, expert_weights(config, experts, int(e)), x[tokens],
+        y = expert_forward(config, expert_weights(config, experts, int(e), expert_scales), x[tokens],
                            None if biases is None else biases[int(e)])
         np.add.at(out, tokens, topk_weights[tokens, slots, None] * y)
     if config.shared_intermediate_size:
-        out += shared_forward(config, shared_expert, x, shared_expert_gate)
+        out += shared_forward(config, shared_expert, x, shared_expert_gate, shared_expert_scales)
     return out
 
 
 def checkpoint_forward(ckpt, x, topk_ids=None, topk_weights=None) -> np.ndarray:
     """moe_forward of a loaded colibri.checkpoint.Checkpoint, every tensor it holds taken into account."""
     return moe_forward(ckpt.config, ckpt.experts, x, topk_ids, topk_weights, ckpt.router, ckpt.router_bias,
-                       ckpt.router_logit_bias, ckpt.expert_bias, ckpt.shared_expert, ckpt.shared_expert_gate)
+                       ckpt.router_logit_bias, ckpt.expert_bias, ckpt.shared_expert, ckpt.shared_expert_gate,
+                       ckpt.expert_scales, ckpt.shared_expert_scales)
 
 
 def _softmax(values) -> np.ndarray:

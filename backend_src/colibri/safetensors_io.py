@@ -24,7 +24,7 @@ DTYPES = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
     "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
 }
-COLIBRI_TO_SAFETENSORS = {"fp32": "F32", "fp16": "F16", "bf16": "BF16"}
+COLIBRI_TO_SAFETENSORS = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "fp8_e4m3": "F8_E4M3"}
 SAFETENSORS_TO_COLIBRI = {v: k for k, v in COLIBRI_TO_SAFETENSORS.items()}
 
 # torch.save writes a zip ("PK\x03\x04") or a bare pickle (protocol 2+ starts with 0x80).
@@ -167,7 +167,7 @@ def _dtype_of(array: np.ndarray, name: str) -> str:
 
 
 def write(path, tensors, metadata=None) -> None:
-    """Writes tensors (name -> numpy array, (safetensors dtype, array) for BF16 bits, or LazyTensor)
+    """Writes tensors (name -> numpy array, (safetensors dtype, array) for BF16 bits and fp8 codes, or LazyTensor)
     in the given order, with string metadata. Written to a temporary file, then renamed, so a failure
     never leaves a partial file under `path`."""
     entries, header, offset = [], {}, 0
