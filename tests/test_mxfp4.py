@@ -175,7 +175,9 @@ def test_packs_without_torch_and_keeps_dtype(tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     (dict(quantization_config=None), "no quantization_config with quant_method 'mxfp4'"),
-    (dict(quantization_config={"quant_method": "fp8"}), "quant_method='fp8' is not read by pack"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), "quant_method='awq' is not read by pack"),
+    # an fp8 quantization_config does not describe MXFP4 blocks
+    (dict(quantization_config={"quant_method": "fp8"}), "no quantization_config with quant_method 'mxfp4'"),
     (dict(quantization_config={"quant_method": "gptq", "bits": 4}), "quant_method='gptq' is not read by pack"),
 ])
 def test_refusals(tmp_path, changes, message):

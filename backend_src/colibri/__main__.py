@@ -53,15 +53,21 @@ def _parser() -> argparse.ArgumentParser:
                           description="Packs MoE layers of a Hugging Face model whose config.json names a family "
                                       "pack knows: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, "
                                       "glm4_moe, gpt_oss (its MXFP4 experts are dequantised to bf16, exactly). "
-                                      "Anything else is refused unless --unverified-routing.")
+                                      "fp8 e4m3 checkpoints (quantization_config quant_method fp8, fbgemm_fp8 or "
+                                      "compressed-tensors: block, per-channel or per-tensor scales) are packed as "
+                                      "stored. Anything else is refused unless --unverified-routing.")
     pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
     pack.add_argument("--out", required=True, help="output *.colibri.safetensors (with --layer all: a folder, "
                                                    "written with layer{N}.colibri.safetensors)")
     pack.add_argument("--layer", type=_layer, help="decoder layer index, or 'all' (default: the first MoE layer)")
-    pack.add_argument("--dtype", default="keep", choices=("keep", "bf16", "fp16", "fp32"))
+    pack.add_argument("--dtype", default="keep", choices=("keep", "bf16", "fp16", "fp32", "fp8"),
+                      help="the packed experts' dtype (default: the source's). fp8: e4m3, an fp8 source as stored, "
+                           "any other quantised in 128x128 blocks (scale = amax / 448); bf16, fp16, fp32 from an fp8 "
+                           "source: dequantised")
     pack.add_argument("--verify", action="store_true",
                       help="compare each packed layer with transformers' own MoE block (needs torch and "
-                           "transformers); a layer off by more than 1e-5 is deleted and pack fails")
+                           "transformers; loaded with the weights the packed layer holds, fp8 ones dequantised); a "
+                           "layer off by more than 1e-5 is deleted and pack fails")
     pack.add_argument("--unverified-routing", action="store_true",
                       help="accept an unknown model_type or no config.json, and the overrides below: the layer "
                            "may then compute something other than the model")
@@ -79,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--top-k", type=int, default=d["top_k"])
     demo.add_argument("--hidden", type=int, default=d["hidden"])
     demo.add_argument("--intermediate", type=int, default=d["intermediate"])
-    demo.add_argument("--dtype", default=d["dtype"], choices=("bf16", "fp16", "fp32"))
+    demo.add_argument("--dtype", default=d["dtype"], choices=("bf16", "fp16", "fp32", "fp8"),
+                      help="the experts' dtype; fp8: e4m3 with 128x128 scale blocks")
     demo.add_argument("--seed", type=int, default=d["seed"])
     demo.add_argument("--routing", default=d["routing"], choices=ROUTINGS)
     demo.add_argument("--kind", default=d["kind"], choices=EXPERT_KINDS)
@@ -146,7 +153,8 @@ def main(argv=None) -> int:
                 print(f"colibri pack: wrote {args.out}{checked}")
         elif args.command == "demo":
             config = checkpoint.write_demo(args.out, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                                           intermediate=args.intermediate, dtype=args.dtype, seed=args.seed,
+                                           intermediate=args.intermediate,
+                                           dtype="fp8_e4m3" if args.dtype == "fp8" else args.dtype, seed=args.seed,
                                            routing=args.routing, kind=args.kind, renormalize=args.renormalize,
                                            routed_scaling_factor=args.routed_scaling_factor)
             print(f"colibri demo: wrote {args.out} ({config})")

@@ -25,11 +25,17 @@ quantization_config quant_method "mxfp4") are, for now, dequantised by pack to b
 transformers' dequantisation does (every MXFP4 value is exact in bf16), and packed as bf16 experts;
 the packed file's metadata says so (source_quantization). Colibri does not compute in MXFP4.
 
+fp8 e4m3 experts (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8 in 128 x 128 blocks; per-tensor and
+per-channel releases) are packed as stored, codes and scales bit for bit, as a colibri-moe/3 file
+(the fp8 section below says which layouts); `dtype="fp8"` quantises any other checkpoint's experts in
+128 x 128 blocks, and fp32 / fp16 / bf16 dequantise an fp8 one.
+
 Refused, naming the reason: PhiMoE (sparsemixer routing is not implemented), Kimi-K2 (transformers
-has no kimi_k2 to check it against), any other quantization_config (quant_method other than mxfp4,
-or mxfp4 outside gpt-oss: dequantise first), MXFP4 blocks with E8M0's NaN scale (255) or a value
-beyond bf16's range, any tensor in an MoE block that the family does not explain (a bias, a
-quantisation scale), a dense layer, and any other model_type or a folder without config.json.
+has no kimi_k2 to check it against), any other quantization_config (quant_method other than mxfp4 and
+the fp8 ones, or mxfp4 outside gpt-oss: dequantise first), MXFP4 blocks with E8M0's NaN scale (255)
+or a value beyond bf16's range, fp8 weights that are e5m2, NaN or without a well-shaped scale, any
+tensor in an MoE block that the family does not explain (a bias, a quantisation scale), a dense
+layer, and any other model_type or a folder without config.json.
 `unverified_routing=True` (`--unverified-routing`) lets through an unknown model_type (a family named
 by config.json's `architectures`, else the generic reading below) and the overrides of top_k, routing,
 renormalize and routed_scaling_factor, each of which may make the layer compute something other than
@@ -51,7 +57,9 @@ Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `
 `verify=True` (`--verify`, needs torch and transformers) builds the family's MoE block with
 transformers from config.json and the source tensors and compares it, in fp32 on random tokens, with
 the packed layer (colibri's CPU layer, or colibri.reference where the library predates
-colibri_moe_context_create); on a relative error above 1e-5 the packed file is deleted and pack fails."""
+colibri_moe_context_create); on a relative error above 1e-5 the packed file is deleted and pack fails.
+The block is loaded with the values the packed layer holds: fp8 weights dequantised, weights packed
+in another dtype rounded (or quantised) as pack did."""
 import dataclasses
 import json
 import pathlib
@@ -61,7 +69,7 @@ import time
 
 import numpy as np
 
-from colibri import checkpoint
+from colibri import checkpoint, fp8
 from colibri import safetensors_io as st
 from colibri._native import STATUS_INVALID_ARGUMENT, ColibriError
 from colibri.dtypes import from_float, to_float32
@@ -192,6 +200,7 @@ class _Plan:
     correction_bias: bool = False    # gate.e_score_correction_bias -> router_bias
     gpt_oss: bool = False            # gpt-oss expert layout, router bias and expert biases
     quantization: str = None         # config.json quantization_config's quant_method, where accepted
+    fp8: "_Fp8Scheme" = None         # how fp8 experts are scaled, when quant_method is an fp8 one
     blocks: tuple = ("mlp",)
     moe_layers: object = None        # layer index -> whether it is an MoE layer (None: unknown)
     dense_rule: str = ""             # the config fields moe_layers follows, for messages
@@ -439,6 +448,7 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
         plan = dataclasses.replace(plan, family=f"{plan.family} (unverified: model_type {model_type!r})")
     plan.num_layers, plan.hidden_size = hf.get("num_hidden_layers"), hf.get("hidden_size")
     plan.quantization = _quantization(hf, plan)
+    plan.fp8 = _fp8_scheme(hf["quantization_config"]) if plan.quantization in FP8_METHODS else None
     if overrides["top_k"] is not None:
         plan.top_k = overrides["top_k"]
     if overrides["routing"] is not None:
@@ -451,17 +461,158 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
 
 
 def _quantization(hf, plan: _Plan):
-    """config.json's quantization_config quant_method when pack can read it ('mxfp4' for gpt-oss),
-    None without one; refuses any other."""
+    """config.json's quantization_config quant_method when pack can read it ('mxfp4' for gpt-oss, the
+    fp8 ones of FP8_METHODS), None without one; refuses any other."""
     config = hf.get("quantization_config")
     if config is None:
         return None
     method = config.get("quant_method") if isinstance(config, dict) else None
-    if method == "mxfp4" and plan.gpt_oss:
+    if (method == "mxfp4" and plan.gpt_oss) or method in FP8_METHODS:
         return method
     where = "outside gpt-oss " if method == "mxfp4" else ""
     raise _fail(f"config.json quantization_config quant_method={method!r} {where}is not read by pack (it reads "
-                "fp32, fp16 and bf16 weights, and gpt-oss's MXFP4 experts); dequantise the checkpoint first")
+                "fp32, fp16 and bf16 weights, fp8 e4m3 experts (quant_method " + ", ".join(FP8_METHODS) + ") and "
+                "gpt-oss's MXFP4 experts); dequantise the checkpoint first")
+
+
+# ---------------------------------------------------------------------------------------------------
+# fp8 e4m3 experts as released, read as stored (colibri.fp8 describes the scale grids):
+#
+#   block       <proj>.weight F8_E4M3 [N, K] and <proj>.weight_scale_inv F32 [ceil(N/bn), ceil(K/bk)],
+#               quantization_config {quant_method: "fp8", fmt: "e4m3", weight_block_size: [bn, bk]}
+#               (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8; transformers' FineGrainedFP8);
+#               compressed-tensors' "block" strategy stores the same grid as <proj>.weight_scale
+#   per tensor  <proj>.weight_scale [] or [1] (AutoFP8's quant_method "fp8", compressed-tensors "tensor";
+#               transformers' FineGrainedFP8 with weight_block_size null: weight_scale_inv [])
+#   per channel <proj>.weight_scale [N] or [N, 1] (fbgemm_fp8, compressed-tensors "channel")
+#
+# Every scale multiplies (DeepSeek's "_inv" too: w = fp8 * weight_scale_inv). A static activation scale
+# (<proj>.input_scale, or transformers' <proj>.activation_scale) is accepted and not used: Colibri's
+# GPU quantises activations itself, per token and 128 inputs, and the CPU not at all; the reference
+# of record is the layer of the dequantised weights. Every matrix of a layer (routed and shared
+# experts) must have the same granularity; e5m2, ue8m0 scales, fp4 experts and any other shape are
+# refused by name.
+
+FP8_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+FP8_SCALE_DTYPES = ("F32", "BF16", "F16")  # each exact in float32
+STATIC_INPUT_SCALES = ("input_scale", "activation_scale")
+
+
+@dataclasses.dataclass
+class _Fp8Scheme:
+    """What config.json's quantization_config says about fp8 weights."""
+    method: str
+    block: tuple = None            # (bn, bk) the 2-D scale grids are blocks of; None: per tensor or channel
+    static_activations: bool = False
+    ignored: tuple = ()            # settings Colibri does not apply, for the note
+
+
+def _fp8_scheme(config: dict) -> _Fp8Scheme:
+    method = config["quant_method"]
+
+    def refuse(setting, why):
+        return _fail(f"config.json quantization_config {setting} (quant_method {method!r}): {why}")
+    if method == "fp8":
+        for key, wanted in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
+            if config.get(key, wanted) != wanted:
+                raise refuse(f"{key}={config[key]!r}", f"pack reads fp8 e4m3 weights with float32 scales ({key} "
+                                                       f"{wanted!r})")
+        block = config.get("weight_block_size", (128, 128))  # transformers' default when the key is absent
+        if block is not None:
+            if (not isinstance(block, (list, tuple)) or len(block) != 2
+                    or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                raise refuse(f"weight_block_size={block!r}", "expected two integers > 0")
+            block = tuple(block)
+        static = config.get("activation_scheme", "dynamic") == "static"
+        return _Fp8Scheme(method, block, static, ("activation_scheme static",) if static else ())
+    if method == "fbgemm_fp8":
+        bound = config.get("activation_scale_ub")
+        return _Fp8Scheme(method, None, False, (f"activation_scale_ub={bound}",) if bound is not None else ())
+    # compressed-tensors: every group must hold 8-bit float weights, symmetric (no zero points)
+    groups = config.get("config_groups")
+    if config.get("format", "float-quantized") != "float-quantized":
+        raise refuse(f"format={config['format']!r}", "pack reads 'float-quantized' (fp8) compressed-tensors only")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("config_groups", "missing: pack cannot tell how the weights are quantised")
+    blocks, static = set(), False
+    for group_name, group in groups.items():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if not isinstance(weights, dict) or (weights.get("type"), weights.get("num_bits")) != ("float", 8) \
+                or weights.get("symmetric", True) is not True:
+            raise refuse(f"config_groups.{group_name}.weights={weights!r}",
+                         "pack reads symmetric 8-bit float (fp8 e4m3) weights only")
+        strategy = weights.get("strategy")
+        if strategy not in ("tensor", "channel", "block"):
+            raise refuse(f"config_groups.{group_name}.weights.strategy={strategy!r}",
+                         "pack reads the tensor, channel and block strategies")
+        if strategy == "block":
+            structure = weights.get("block_structure")
+            if not (isinstance(structure, list) and len(structure) == 2 and all(isinstance(b, int) and b > 0
+                                                                               for b in structure)):
+                raise refuse(f"config_groups.{group_name}.weights.block_structure={structure!r}",
+                             "expected two integers > 0")
+            blocks.add(tuple(structure))
+        activations = group.get("input_activations")
+        static |= isinstance(activations, dict) and activations.get("dynamic") is False
+    if len(blocks) > 1:
+        raise refuse("config_groups", f"block structures {sorted(blocks)} differ: one layer has one")
+    return _Fp8Scheme(method, blocks.pop() if blocks else None, static,
+                      ("static input_activations",) if static else ())
+
+
+def _granularity(block) -> str:
+    return {(0, 0): "per-tensor", (1, 0): "per-channel"}.get(tuple(block), f"block {block[0]}x{block[1]}")
+
+
+def _fp8_scale(source, weight: str, shape, scheme: _Fp8Scheme):
+    """(the scale tensor of fp8 weight `weight` [N, K], its (bn, bk), its static activation scales' names),
+    checked against the scheme; refuses a missing, doubled or misshapen scale by name."""
+    stem = weight[:-len("weight")]  # "...proj." of "...proj.weight"
+    found = [name for name in (weight + "_scale_inv", stem + "weight_scale") if name in source]
+    if not found:
+        raise _fail(f"{weight}: fp8 weights without a scale (expected {weight}_scale_inv or {stem}weight_scale)")
+    if len(found) > 1:
+        raise _fail(f"{weight}: both {found[0]} and {found[1]}: refused rather than guessed which one applies")
+    name = found[0]
+    info = source.info(name)
+    if info.dtype not in FP8_SCALE_DTYPES:
+        raise _fail(f"{name}: dtype {info.dtype}, expected float32 scales (F32; BF16 and F16 are widened exactly)"
+                    + (" (ue8m0 scales are not read)" if info.dtype in ("U8", "F8_E8M0") else ""))
+    N, K = shape
+    tensor_shapes, channel_shapes = ((), (1,)), ((N,), (N, 1))
+    # transformers writes a per-tensor scale_inv when weight_block_size is null; blocks otherwise.
+    if scheme.block is not None and (name.endswith("_scale_inv") or scheme.method == "compressed-tensors"):
+        bn, bk = scheme.block
+        expected = {fp8.grid_shape(shape, bn, bk): (bn, bk)}
+    elif name.endswith("_scale_inv"):
+        expected = {s: (0, 0) for s in tensor_shapes}
+    else:
+        expected = {**{s: (0, 0) for s in tensor_shapes}, **{s: (1, 0) for s in channel_shapes}}
+    if info.shape not in expected:
+        wanted = " or ".join(f"{list(s)} ({_granularity(b)})" for s, b in expected.items())
+        raise _fail(f"{name}: shape {list(info.shape)}, expected {wanted} for the fp8 weights {weight} "
+                    f"{list(shape)} (quant_method {scheme.method!r})")
+    static = [stem + s for s in STATIC_INPUT_SCALES if stem + s in source]
+    for static_name in static:
+        if source.info(static_name).numel != 1:
+            raise _fail(f"{static_name}: shape {list(source.info(static_name).shape)}, expected one static "
+                        "activation scale ([] or [1])")
+    return name, expected[info.shape], static
+
+
+def _fp8_grid(source, name, shape, block) -> np.ndarray:
+    """The scale tensor `name` of a matrix [N, K] as its float32 grid, refused if not finite."""
+    grid = _as_float32(source, name).reshape(fp8.grid_shape(shape, *block))
+    if not np.isfinite(grid).all():
+        raise _fail(f"{name}: a scale is not finite")
+    return grid
+
+
+def _fp8_codes(source, name) -> np.ndarray:
+    codes = source.get(name)
+    if ((codes & 0x7F) == 0x7F).any():  # S.1111.111: e4m3fn's NaN
+        raise _fail(f"{name}: holds an fp8 NaN (code 0x7f or 0xff)")
+    return codes
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -574,13 +725,19 @@ def _choose_layers(plan: _Plan, found: dict, layer):
     return [(layer, found[layer])]
 
 
-def _check_dtype(source, names, what) -> str:
+def _check_dtype(source, names, what, fp8_scheme=None) -> str:
+    """The one safetensors dtype of the tensors `names`; F8_E4M3 only with an fp8 quantization_config."""
     dtypes = {source.info(n).dtype for n in names}
     if len(dtypes) > 1:
         raise _fail(f"{what}: inconsistent dtypes {', '.join(sorted(dtypes))}")
     dtype = dtypes.pop()
+    if dtype == "F8_E5M2":
+        raise _fail(f"{what}: dtype F8_E5M2 (fp8 e5m2) is not read: Colibri's fp8 weights are e4m3")
+    if dtype == "F8_E4M3" and fp8_scheme is None:
+        raise _fail(f"{what}: dtype F8_E4M3, but config.json has no quantization_config with an fp8 quant_method "
+                    f"({', '.join(FP8_METHODS)}) saying how the weights are scaled; refused rather than guessed")
     if dtype not in st.SAFETENSORS_TO_COLIBRI:
-        raise _fail(f"{what}: dtype {dtype} is not supported (fp32, fp16, bf16; dequantize first)")
+        raise _fail(f"{what}: dtype {dtype} is not supported (fp32, fp16, bf16, fp8 e4m3; dequantize first)")
     return dtype
 
 
@@ -592,6 +749,45 @@ def _expect_shape(source, name, shape) -> None:
         raise _fail(f"{name}: shape {list(actual)}, expected {list(shape)}")
 
 
+class _Fp8Weights:
+    """A layer's fp8 matrices and their scales (_fp8_scale), checked to share one granularity."""
+
+    def __init__(self, source, scheme: _Fp8Scheme):
+        self.source, self.scheme = source, scheme
+        self.block = self.first = None
+        self.scales = {}   # weight name -> (scale name, matrix shape)
+        self.static = []   # names of the static activation scales (accepted, not used)
+
+    def add(self, weight, shape) -> None:
+        scale, block, static = _fp8_scale(self.source, weight, shape, self.scheme)
+        if self.block is None:
+            self.block, self.first = block, scale
+        elif block != self.block:
+            raise _fail(f"{scale} gives {weight} {_granularity(block)} scales but {self.first} gives "
+                        f"{_granularity(self.block)} ones: every matrix of a layer must share one granularity")
+        self.scales[weight] = (scale, tuple(shape))
+        self.static += static
+
+    def grid(self, weight) -> np.ndarray:
+        scale, shape = self.scales[weight]
+        return _fp8_grid(self.source, scale, shape, self.block)
+
+    def codes(self, weight) -> np.ndarray:
+        return _fp8_codes(self.source, weight)
+
+    def dequantize(self, weight) -> np.ndarray:
+        """The matrix's weights in float64, exactly."""
+        return fp8.dequantize(self.codes(weight), self.grid(weight), *self.block)
+
+    @property
+    def names(self) -> set:
+        return {scale for scale, _ in self.scales.values()} | set(self.static)
+
+    def describe(self) -> str:
+        suffix = "weight_scale_inv" if self.first.endswith("_scale_inv") else "weight_scale"
+        return f"fp8 e4m3 ({self.scheme.method}), {_granularity(self.block)} scales ({suffix})"
+
+
 @dataclasses.dataclass
 class _Layer:
     """Where one MoE layer's weights are, checked against the plan: the tensor names it uses and
@@ -601,13 +797,15 @@ class _Layer:
     F: int
     layout: str
     dtype: str                      # safetensors dtype of the expert weights
-    expert_row: object              # m -> list of arrays (source dtype) making expert m's packed row
+    expert_row: object              # m -> list of matrices (source dtype) making expert m's packed row
     used: set
     bias_row: object = None         # m -> float32 [2F+H]
     shared: list = None             # names of gate, up, down
     shared_gate: str = None
     correction_bias: str = None
     logit_bias: str = None
+    expert_names: object = None     # m -> the names of expert m's matrices (per-expert layouts)
+    fp8: _Fp8Weights = None         # fp8 experts: their scales
 
 
 def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
@@ -624,16 +822,19 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     if plan.gpt_oss:
         layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size, plan.quantization)
     else:
-        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router)
+        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router, plan.fp8)
     layer.used.add(router)
     if plan.shared_intermediate_size:
         Fs = plan.shared_intermediate_size
         names = [f"{base}{plan.shared_name}.{p}_proj.weight" for p in ("gate", "up", "down")]
         for name, shape in zip(names, ((Fs, H), (Fs, H), (H, Fs))):
             _expect_shape(source, name, shape)
-        if _check_dtype(source, names, "shared expert weights") != layer.dtype:
-            raise _fail(f"{names[0]}: dtype {source.info(names[0]).dtype}, the experts' is {layer.dtype} "
-                        "(pass --dtype to convert both)")
+        if _check_dtype(source, names, "shared expert weights", plan.fp8) != layer.dtype:
+            raise _fail(f"{names[0]}: dtype {source.info(names[0]).dtype}, the experts' is {layer.dtype}: "
+                        "the shared expert is packed beside them, in their dtype")
+        if layer.fp8 is not None:
+            for name, shape in zip(names, ((Fs, H), (Fs, H), (H, Fs))):
+                layer.fp8.add(name, shape)
         layer.shared = names
         layer.used.update(names)
         if plan.shared_gate:
@@ -646,6 +847,8 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
             _expect_shape(source, name, (E,))
             layer.correction_bias = name
             layer.used.add(name)
+    if layer.fp8 is not None:
+        layer.used.update(layer.fp8.names)
     unexplained = sorted(n for n in source.where if n.startswith(base) and n not in layer.used)
     if unexplained:
         raise _fail(f"{unexplained[0]}{f' (and {len(unexplained) - 1} more)' if len(unexplained) > 1 else ''}: "
@@ -654,7 +857,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     return layer
 
 
-def _locate_swiglu(source, base, E, H, F_config, router) -> _Layer:
+def _locate_swiglu(source, base, E, H, F_config, router, fp8_scheme=None) -> _Layer:
     if base + "experts.gate_up_proj" in source:
         gate_up, down = base + "experts.gate_up_proj", base + "experts.down_proj"
         if down not in source:
@@ -666,8 +869,14 @@ def _locate_swiglu(source, base, E, H, F_config, router) -> _Layer:
             raise _fail(f"{gate_up}: shape {list(shape)}, expected [E={E}, 2F, H={H}]{hint}")
         F = shape[1] // 2
         _expect_shape(source, down, (E, H, F))
+        if source.info(gate_up).dtype.startswith("F8"):
+            raise _fail(f"{gate_up}: fp8 experts in the fused layout are not read (the released fp8 checkpoints "
+                        "store each expert's projections apart: experts.M.gate_proj.weight and its scale)")
         dtype = _check_dtype(source, (gate_up, down), "expert weights")
-        layer = _Layer(E, H, F, "fused", dtype, lambda m: [source.get(gate_up)[m], source.get(down)[m]], {gate_up, down})
+        # gate and up apart: fp8 quantises each matrix on its own scale grid
+        layer = _Layer(E, H, F, "fused", dtype,
+                       lambda m: [source.get(gate_up)[m][:F], source.get(gate_up)[m][F:], source.get(down)[m]],
+                       {gate_up, down})
     else:
         for layout, (g, u, d) in PER_EXPERT_NAMES.items():
             if base + f"experts.0.{g}.weight" in source:
@@ -688,9 +897,14 @@ def _locate_swiglu(source, base, E, H, F_config, router) -> _Layer:
             _expect_shape(source, gate_name, (F, H))
             _expect_shape(source, up_name, (F, H))
             _expect_shape(source, down_name, (H, F))
-        dtype = _check_dtype(source, [n for row in names for n in row], "expert weights")
+        dtype = _check_dtype(source, [n for row in names for n in row], "expert weights", fp8_scheme)
         layer = _Layer(E, H, F, layout, dtype, lambda m: [source.get(n) for n in names[m]],
-                       {n for row in names for n in row})
+                       {n for row in names for n in row}, expert_names=lambda m: names[m])
+        if dtype == "F8_E4M3":
+            layer.fp8 = _Fp8Weights(source, fp8_scheme)
+            for row in names:
+                for name, shape in zip(row, ((F, H), (F, H), (H, F))):
+                    layer.fp8.add(name, shape)
     if F_config is not None and F_config != layer.F:
         raise _fail(f"config.json gives the expert intermediate size {F_config} but the tensors give {layer.F}")
     return layer
@@ -725,6 +939,8 @@ def _locate_gpt_oss(source, base, E, H, F, quantization=None) -> _Layer:
                       bias_row=lambda m: _gpt_oss_bias_row(source, gate_up_bias, down_bias, m), logit_bias=logit_bias)
     _expect_shape(source, gate_up, (E, H, 2 * F))
     _expect_shape(source, down, (E, F, H))
+    if source.info(gate_up).dtype.startswith("F8"):
+        raise _fail(f"{gate_up}: fp8 gpt-oss experts are not read (gpt-oss ships MXFP4 or bf16)")
     dtype = _check_dtype(source, (gate_up, down), "expert weights")
 
     def row(m):
@@ -760,10 +976,13 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
          routed_scaling_factor=None, progress=True, unverified_routing=False, verify=False):
     """Packs MoE layers of `src` into `out`; returns the LayerConfig (a list of them for layer='all').
     layer: a decoder layer index, None (the first MoE layer) or 'all' (every MoE layer, one file
-    layer{N}.colibri.safetensors per layer in the folder `out`). Raises ColibriError naming what is
-    refused, missing or inconsistent."""
-    if dtype not in ("keep", "fp32", "fp16", "bf16"):
-        raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16, got {dtype!r}")
+    layer{N}.colibri.safetensors per layer in the folder `out`). dtype: keep (the source's), fp32,
+    fp16, bf16 (fp8 sources dequantised), or fp8 (fp8_e4m3: fp8 sources as stored, others quantised in
+    128 x 128 blocks). Notes on what the packed layer does not use (a static activation scale) go to
+    stderr and the file's metadata. Raises ColibriError naming what is refused, missing or inconsistent."""
+    dtype = "fp8_e4m3" if dtype == "fp8" else dtype
+    if dtype not in ("keep", "fp32", "fp16", "bf16", "fp8_e4m3"):
+        raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16 | fp8, got {dtype!r}")
     if routing is not None and routing not in ROUTINGS:
         raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
     if not (layer is None or layer == "all" or (isinstance(layer, int) and layer >= 0)):
@@ -785,10 +1004,13 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
     chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer)
     if layer == "all":
         out.mkdir(exist_ok=True)
-    configs = []
+    configs, notes = [], []
     for index, base in chosen:
         path = out / f"layer{index}.colibri.safetensors" if layer == "all" else out
-        config = _pack_layer(source, plan, index, base, path, dtype, progress, src)
+        config, note = _pack_layer(source, plan, index, base, path, dtype, progress, src)
+        if note and note not in notes:
+            notes.append(note)
+            print(f"colibri pack: note: {note}", file=sys.stderr, flush=True)
         if verify:
             try:
                 _verify(source, hf, plan, base, path)
@@ -799,10 +1021,13 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
     return configs if layer == "all" else configs[0]
 
 
-def _pack_layer(source, plan, index, base, out, dtype, progress, src) -> LayerConfig:
+def _pack_layer(source, plan, index, base, out, dtype, progress, src):
+    """Packs one layer into `out`: (its LayerConfig, a note for the user or None)."""
     where = _locate(source, base, plan)
     src_name = st.SAFETENSORS_TO_COLIBRI[where.dtype]
     weight_dtype = src_name if dtype == "keep" else dtype
+    # fp8 scale blocks: the source's when its fp8 weights are kept, else those pack quantises in
+    block = (0, 0) if weight_dtype != "fp8_e4m3" else where.fp8.block if where.fp8 else fp8.BLOCK
     config = LayerConfig(
         expert_kind="swiglu", num_experts=where.E, top_k=plan.top_k, hidden_size=where.H,
         intermediate_size=where.F, weight_dtype=weight_dtype, routing=plan.routing, renormalize=plan.renormalize,
@@ -810,7 +1035,8 @@ def _pack_layer(source, plan, index, base, out, dtype, progress, src) -> LayerCo
         topk_group=plan.topk_group, group_score=plan.group_score, activation=plan.activation,
         activation_alpha=plan.activation_alpha, activation_limit=plan.activation_limit,
         expert_bias=where.bias_row is not None, shared_intermediate_size=plan.shared_intermediate_size,
-        shared_gate=plan.shared_gate, has_router_logit_bias=where.logit_bias is not None)
+        shared_gate=plan.shared_gate, has_router_logit_bias=where.logit_bias is not None,
+        scale_block_n=block[0], scale_block_k=block[1])
     try:
         config.validate()
     except ColibriError as exc:
@@ -818,37 +1044,80 @@ def _pack_layer(source, plan, index, base, out, dtype, progress, src) -> LayerCo
     E = where.E
     bar = _Progress(E, f"packing layer {index} experts", progress)
 
-    def convert(array):
-        array = np.asarray(array).reshape(-1)
-        return array if weight_dtype == src_name else from_float(to_float32(array, src_name), weight_dtype)
+    def packed(matrices, names):
+        """Matrices as one packed row in weight_dtype, and its scales (fp8) or None. matrices: arrays in
+        the source dtype; for fp8 sources, `names`: the tensors holding them (their scales beside)."""
+        if where.fp8 is not None:
+            if weight_dtype == "fp8_e4m3":  # as stored
+                return (np.concatenate([where.fp8.codes(n).reshape(-1) for n in names]),
+                        np.concatenate([where.fp8.grid(n).reshape(-1) for n in names]))
+            values = [where.fp8.dequantize(n) for n in names]
+        elif weight_dtype != "fp8_e4m3":
+            row = np.concatenate([np.asarray(p).reshape(-1) for p in matrices])
+            return (row if weight_dtype == src_name else from_float(to_float32(row, src_name), weight_dtype)), None
+        else:
+            values = [to_float32(np.asarray(p), src_name) for p in matrices]
+        if weight_dtype == "fp8_e4m3":
+            return fp8.quantize_matrices(values, *block, name=f"{base}experts")
+        return from_float(np.concatenate([v.reshape(-1) for v in values]), weight_dtype), None
+
+    # The scales are filled as the experts stream by, and written after them (checkpoint.save's order).
+    scale_rows = np.zeros((E, config.scales_numel), np.float32)
+    done = []
 
     def expert_rows():
         for m in range(E):
-            row = convert(np.concatenate([np.asarray(p).reshape(-1) for p in where.expert_row(m)]))
+            row, scales = packed(where.expert_row(m) if where.fp8 is None else None,
+                                 where.expert_names(m) if where.fp8 is not None else None)
+            if scales is not None:
+                scale_rows[m] = scales
+            done.append(m)
             yield row
             bar.update(m + 1, row.nbytes)
 
+    def scale_chunks():
+        if len(done) != E:
+            raise AssertionError("expert_scales written before the experts were")
+        yield scale_rows
+
     experts = st.LazyTensor(st.COLIBRI_TO_SAFETENSORS[weight_dtype], (E, config.expert_numel), expert_rows)
-    shared = None
+    expert_scales = st.LazyTensor("F32", scale_rows.shape, scale_chunks) if config.fp8 else None
+    shared = shared_scales = None
     if where.shared:
-        shared = np.concatenate([convert(source.get(n)) for n in where.shared])
+        shared, shared_scales = packed([source.get(n) for n in where.shared] if where.fp8 is None else None,
+                                       where.shared)
     if plan.routing == "sigmoid_bias" and where.correction_bias is None:
         bias, note = np.zeros(E, np.float32), "sigmoid_bias routing without e_score_correction_bias: router_bias zeros"
     else:
         bias, note = (None if where.correction_bias is None else _as_float32(source, where.correction_bias)), None
+    told = None  # what the user is told on stderr too
     extra = {"source": str(src), "source_layer": base[:-1], "source_layout": where.layout, "source_dtype": src_name,
              "source_family": plan.family}
-    if note:
-        extra["note"] = note
     if where.layout == "gpt_oss_mxfp4":
         extra["source_quantization"] = "mxfp4, dequantised to bf16 by pack (exact)"
+    elif where.fp8 is not None:
+        what = "kept as stored" if weight_dtype == "fp8_e4m3" else f"dequantised to {weight_dtype} by pack"
+        extra["source_quantization"] = f"{where.fp8.describe()}, {what}"
+        ignored = ([f"static activation scales ({', '.join(sorted({n.rsplit('.', 1)[1] for n in where.fp8.static}))})"]
+                   if where.fp8.static else []) + list(where.fp8.scheme.ignored)
+        if ignored:
+            told = (f"{' and '.join(ignored)} of the fp8 checkpoint not used: Colibri quantises activations "
+                    "dynamically (the GPU per token and 128 inputs; the CPU does not quantise them), and the "
+                    "layer of the dequantised weights is the reference it is checked against")
+            note = f"{note}; {told}" if note else told
+    elif weight_dtype == "fp8_e4m3":
+        extra["source_quantization"] = (f"{src_name}, quantised to fp8 e4m3 by pack ({_granularity(block)} scales, "
+                                        "amax / 448 per block)")
+    if note:
+        extra["note"] = note
     checkpoint.save(
         out, config, experts, _as_float32(source, base + plan.router + ".weight"), bias, extra,
         router_logit_bias=None if where.logit_bias is None else _as_float32(source, where.logit_bias),
         expert_bias=None if where.bias_row is None else np.stack([where.bias_row(m) for m in range(E)]),
         shared_expert=shared,
-        shared_expert_gate=None if where.shared_gate is None else _as_float32(source, where.shared_gate).reshape(-1))
-    return config
+        shared_expert_gate=None if where.shared_gate is None else _as_float32(source, where.shared_gate).reshape(-1),
+        expert_scales=expert_scales, shared_expert_scales=shared_scales)
+    return config, told
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -871,7 +1140,9 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     import torch
     from transformers import AutoConfig
     module, name = BLOCK_CLASSES[family]
-    config_dict = {k: v for k, v in hf.items() if k not in ("model_type", "transformers_version")}
+    # quantization_config left out: the block is built in fp32, loaded with dequantised weights
+    config_dict = {k: v for k, v in hf.items()
+                   if k not in ("model_type", "transformers_version", "quantization_config")}
     config = AutoConfig.for_model(family, **config_dict)
     block_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     block = block_class(config).to(torch.float32).eval()
@@ -934,26 +1205,56 @@ def _transformers_mxfp4(source, prefix) -> np.ndarray:
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).numpy()
 
 
+def _as_packed(value, relative, layout, packed) -> np.ndarray:
+    """A source weight tensor (float32, in its source layout) with the values the packed layer holds:
+    rounded to the packed dtype, or for fp8 quantised and dequantised matrix by matrix as pack did."""
+    if packed != "fp8_e4m3":
+        return to_float32(from_float(value, packed), packed)
+
+    def round_trip(matrix):  # [N, K] as packed -> its fp8 values
+        return fp8.dequantize(*fp8.quantize(matrix, *fp8.BLOCK), *fp8.BLOCK).astype(np.float32)
+    if value.ndim == 2:  # per-expert and shared matrices are [N, K] as packed
+        return round_trip(value)
+    out = np.empty_like(value)  # [E, ...]: one expert at a time, in pack's matrices
+    for e, matrix in enumerate(value):
+        if layout.startswith("gpt_oss"):  # [H, 2F] interleaved gate/up, or down [F, H]: transposed
+            if relative.endswith("gate_up_proj"):
+                out[e][:, 0::2], out[e][:, 1::2] = round_trip(matrix[:, 0::2].T).T, round_trip(matrix[:, 1::2].T).T
+            else:
+                out[e] = round_trip(matrix.T).T
+        elif relative.endswith("gate_up_proj"):  # [2F, H]: gate and up each on its own grid
+            half = matrix.shape[0] // 2
+            out[e] = np.concatenate([round_trip(matrix[:half]), round_trip(matrix[half:])])
+        else:
+            out[e] = round_trip(matrix)
+    return out
+
+
 def _verify(source, hf, plan, base, path, tokens=64, seed=0):
     family = plan.family
     if family not in BLOCK_CLASSES:
         raise _fail(f"--verify: {family} has no transformers block to check against")
     ckpt = checkpoint.load(path)
     packed = ckpt.config.weight_dtype
+    layout = ckpt.metadata.get("source_layout", "")
+    quantised = _locate(source, base, plan).fp8  # fp8 source weights and their scales
+    scales = quantised.names if quantised else set()
     tensors = {}
     for name in source.where:
-        if name.startswith(base) and not name.endswith("_scales"):
+        if name.startswith(base) and not name.endswith("_scales") and name not in scales:
             relative = name[len(base):]
             if name.endswith("_blocks"):
                 # The check uses transformers' own dequantisation, not pack's.
                 relative = relative[:-len("_blocks")]
                 value = _transformers_mxfp4(source, name[:-len("_blocks")])
+            elif quantised and name in quantised.scales:
+                value = quantised.dequantize(name).astype(np.float32)  # the block gets the dequantised weights
             else:
                 value = _as_float32(source, name)
             is_weight = (relative.startswith("experts.") and not relative.endswith("_bias")) \
                 or relative.startswith(("shared_expert.", "shared_experts."))
             if is_weight and packed != st.SAFETENSORS_TO_COLIBRI.get(source.info(name).dtype):
-                value = to_float32(from_float(value, packed), packed)  # the block sees the packed dtype's values
+                value = _as_packed(value, relative, layout, packed)  # the block sees the packed layer's values
             tensors[relative] = value
     block = transformers_block(family, hf, tensors)
     x = np.random.default_rng(seed).standard_normal((tokens, ckpt.config.hidden_size)).astype(np.float32)
