@@ -1,8 +1,11 @@
 """A packed layer of real MoE families, served end to end: tiny random DeepSeek-V3 and Qwen2-MoE models
 written by transformers (colibri.testing.families, every MoE option on), one MoE layer packed in fp32,
-served on the CPU by the real tritonserver (one start per family) and asked over HTTP/JSON and gRPC
-with the server's own router. The answers must match the family's own transformers MoE block on the
-same tokens in fp32. Needs tritonserver, torch and transformers (skipped without them)."""
+and a DeepSeek-V3 whose experts are stored as its fp8 release stores them (e4m3 weights, 128 x 128
+weight_scale_inv blocks) packed as stored; each served on the CPU by the real tritonserver (one start
+per layer) and asked over HTTP/JSON and gRPC with the server's own router. The answers must match the
+family's own transformers MoE block on the same tokens in fp32 (for fp8, loaded with the dequantised
+weights: the CPU computes with exactly those). Needs tritonserver, torch and transformers (skipped
+without them)."""
 import json
 
 import numpy as np
@@ -19,42 +22,54 @@ pytest.importorskip("transformers")
 
 from colibri import checkpoint  # noqa: E402
 from colibri.pack import block_forward, pack, routing_ties  # noqa: E402
-from colibri.testing.families import H, moe_blocks, write_model  # noqa: E402
+from colibri.testing.families import dequantized_block, moe_blocks, write_fp8_model, write_model  # noqa: E402
 
 MODEL = "colibri_moe"
 TOKENS = 24
 LIMIT = 1e-5  # ||served - transformers|| / ||transformers||, both fp32
 
 # What each served layer must use, so the comparison covers every option the family has
-# (DeepSeek-V3's 48: two shared experts of 24 as one).
+# (DeepSeek-V3's 48: two shared experts of 24 as one; its fp8 release at H = 160, F = 128: partial
+# scale blocks, and two shared experts of 128 in two slices).
+DEEPSEEK_V3 = dict(routing="sigmoid_bias", n_group=4, topk_group=2, group_score="top2_sum", renormalize=True,
+                   routed_scaling_factor=2.5, shared_gate=False)
 SERVED = {
-    "deepseek_v3": dict(routing="sigmoid_bias", n_group=4, topk_group=2, group_score="top2_sum", renormalize=True,
-                        routed_scaling_factor=2.5, shared_intermediate_size=48, shared_gate=False),
-    "qwen2_moe": dict(routing="softmax_topk", renormalize=True, shared_intermediate_size=40, shared_gate=True),
+    "deepseek_v3": dict(DEEPSEEK_V3, weight_dtype="fp32", shared_intermediate_size=48),
+    "deepseek_v3 fp8": dict(DEEPSEEK_V3, weight_dtype="fp8_e4m3", scale_block_n=128, scale_block_k=128,
+                            hidden_size=160, shared_intermediate_size=256),
+    "qwen2_moe": dict(weight_dtype="fp32", routing="softmax_topk", renormalize=True, shared_intermediate_size=40,
+                      shared_gate=True),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SERVED))
 def served(request, tmp_path_factory):
-    """(family, its first MoE block, the packed layer's path, the running Server)."""
-    family = request.param
+    """(layer name, its transformers MoE block, the packed layer's path, the running Server, H)."""
+    name = request.param
+    family, quantised = name.split()[0], name.endswith("fp8")
     src = tmp_path_factory.mktemp(family)
-    model = write_model(family, src)
-    path = tmp_path_factory.mktemp(f"{family}_packed") / f"{family}.colibri.safetensors"
-    config = pack(src, path, dtype="fp32", progress=False)  # the first MoE layer
-    for field, value in SERVED[family].items():
+    path = tmp_path_factory.mktemp("packed") / "layer.colibri.safetensors"
+    if quantised:  # the published layout, packed as stored
+        model, dequantised = write_fp8_model(family, src, "block", (128, 128), hidden_size=160,
+                                             moe_intermediate_size=128)
+        config = pack(src, path, progress=False)  # the first MoE layer
+    else:
+        model = write_model(family, src)
+        config = pack(src, path, dtype="fp32", progress=False)
+    for field, value in SERVED[name].items():
         assert getattr(config, field) == value, field
-    assert config.weight_dtype == "fp32"
     ckpt = checkpoint.load(path)
     if family == "deepseek_v3":  # e_score_correction_bias, random: its use shows in the routing
         assert np.abs(ckpt.router_bias).min() > 0
     index, block = min(moe_blocks(model).items())
     assert ckpt.metadata["source_layer"] == f"model.layers.{index}.mlp", ckpt.metadata["source_layer"]
+    if quantised:
+        block = dequantized_block(family, src, index, dequantised)
     with serving(path, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", "fp32") as server:
-        yield family, block, path, server
+        yield name, block, path, server, config.hidden_size
 
 
-def tokens(path, rng, count=TOKENS):
+def tokens(path, rng, H, count=TOKENS):
     """Random fp32 tokens whose routing is clear: at a near-tie fp32 may pick either side."""
     x = rng.standard_normal((count, H)).astype(np.float32)
     while (ties := routing_ties(path, x)).any():
@@ -94,28 +109,28 @@ def assert_matches_block(output, block, x, what):
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_served_layer_matches_the_family_block(served, protocol, rng):
-    family, block, path, server = served
+    name, block, path, server, H = served
     infer, url, _ = PROTOCOLS[protocol]
     for count in (1, TOKENS):
-        x = tokens(path, rng, count)
-        assert_matches_block(infer(getattr(server, url), x), block, x, f"{family} over {protocol}, T={count}")
+        x = tokens(path, rng, H, count)
+        assert_matches_block(infer(getattr(server, url), x), block, x, f"{name} over {protocol}, T={count}")
 
 
 @pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
 def test_wrong_hidden_size_is_refused_then_served(served, protocol, rng):
-    family, block, path, server = served
+    name, block, path, server, H = served
     infer, url, status = PROTOCOLS[protocol]
     with pytest.raises(InferenceServerException) as refused:
         infer(getattr(server, url), rng.standard_normal((3, H + 1)).astype(np.float32))
     assert refused.value.status() == status, refused.value
     assert "hidden_states" in refused.value.message(), refused.value
-    x = tokens(path, rng)
-    assert_matches_block(infer(getattr(server, url), x), block, x, f"{family} over {protocol} after a refusal")
+    x = tokens(path, rng, H)
+    assert_matches_block(infer(getattr(server, url), x), block, x, f"{name} over {protocol} after a refusal")
 
 
 def test_config_gives_the_packed_dims(served):
-    """auto_complete_config reads the colibri-moe/2 header: the widths clients see are the layer's."""
-    family, _, path, server = served
+    """auto_complete_config reads the colibri-moe/2 (fp8: /3) header: the widths clients see are the layer's."""
+    _, _, path, server, H = served
     config = checkpoint.read_config(path)
     metadata = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}"))
     assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == {

@@ -3,14 +3,21 @@ random layers and inputs, per-dtype error limits normalised by the reference's s
 comparison of built-in routing with near-ties allowed to go either way."""
 import numpy as np
 
-from colibri import reference
+from colibri import fp8, reference
 from colibri.dtypes import from_float, to_float64
 from colibri.config import LayerConfig
 
+# fp8 weights, against the reference of their dequantised weights: the CPU computes with exactly those
+# weights in fp32 (within 1e-5). A GPU's fp8 tensor cores also quantise each token's activations to
+# e4m3 per 128 inputs (3 mantissa bits: up to 2^-4 of a value off) before both
+# projections and round intermediates to bf16 (colibri.h): simulated in numpy on the demo layers, that
+# puts an answer 4-5% (of its largest value) from the reference; this leaves twice that.
+FP8_ERROR_LIMIT = 0.1
+
 # max |out - ref| / max |ref| allowed, by the least precise dtype involved. fp32: accumulation order
 # over a few hundred products; fp16 / bf16: a few roundings of the input, intermediate and output
-# (unit roundoff 2^-11 and 2^-8).
-ERROR_LIMITS = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}
+# (unit roundoff 2^-11 and 2^-8); fp8_e4m3: FP8_ERROR_LIMIT, for any backend.
+ERROR_LIMITS = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2, "fp8_e4m3": FP8_ERROR_LIMIT}
 
 # Selection scores closer than this (times the row's score scale) count as tied: the library works
 # in fp32, so which of two such experts it picks is rounding, not a bug.
@@ -25,7 +32,7 @@ def random_layer(rng, expert_kind="swiglu", num_experts=8, top_k=2, hidden_size=
                  weight_dtype="fp32", routing="softmax_topk", renormalize=True, routed_scaling_factor=1.0,
                  with_router=True):
     """(config, experts [E, numel] in weight_dtype storage, router [E, H] float32 or None,
-    router_bias [E] float32 or None); weights ~ N(0, 1/fan_in)."""
+    router_bias [E] float32 or None); weights ~ N(0, 1/fan_in). fp8 layers: random_fp8_layer."""
     config = LayerConfig(expert_kind=expert_kind, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
                          intermediate_size=intermediate_size, weight_dtype=weight_dtype, routing=routing,
                          renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
@@ -42,6 +49,34 @@ def random_layer(rng, expert_kind="swiglu", num_experts=8, top_k=2, hidden_size=
     router = (rng.standard_normal((num_experts, H)) / np.sqrt(H)).astype(np.float32) if with_router else None
     bias = (0.3 * rng.standard_normal(num_experts)).astype(np.float32) if routing == "sigmoid_bias" else None
     return config, experts, router, bias
+
+
+def random_fp8_layer(rng, scale_block=fp8.BLOCK, expert_kind="swiglu", num_experts=8, top_k=2, hidden_size=64,
+                     intermediate_size=96, shared_intermediate_size=0, routing="softmax_topk"):
+    """(config, tensors): a random layer of fp8 e4m3 weights with a router, and the keyword tensors of
+    MoELayer and colibri.reference.moe_forward (experts, router, router_bias, expert_scales and, with a
+    shared expert, shared_expert and shared_expert_scales). Weights ~ N(0, 1/fan_in) quantised in
+    scale_block blocks, then every scale multiplied by a random factor in [0.5, 2) with the codes kept:
+    no scale is the amax / 448 a quantiser would choose, so the layer must use the ones given."""
+    config = LayerConfig(expert_kind=expert_kind, num_experts=num_experts, top_k=top_k, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size, weight_dtype="fp8_e4m3", routing=routing,
+                         has_router=True, shared_intermediate_size=shared_intermediate_size,
+                         scale_block_n=scale_block[0], scale_block_k=scale_block[1])
+    config.validate()
+
+    def quantised(shapes):
+        matrices = [rng.standard_normal(shape) / np.sqrt(shape[1]) for shape in shapes]
+        codes, scales = fp8.quantize_matrices(matrices, *scale_block)
+        return codes, (scales * rng.uniform(0.5, 2.0, scales.shape)).astype(np.float32)
+    rows = [quantised(fp8.matrix_shapes(expert_kind, hidden_size, intermediate_size)) for _ in range(num_experts)]
+    H, E = hidden_size, num_experts
+    tensors = dict(experts=np.stack([codes for codes, _ in rows]), expert_scales=np.stack([s for _, s in rows]),
+                   router=(rng.standard_normal((E, H)) / np.sqrt(H)).astype(np.float32),
+                   router_bias=(0.3 * rng.standard_normal(E)).astype(np.float32) if routing == "sigmoid_bias" else None)
+    if shared_intermediate_size:
+        tensors["shared_expert"], tensors["shared_expert_scales"] = quantised(
+            fp8.matrix_shapes("swiglu", hidden_size, shared_intermediate_size))
+    return config, tensors
 
 
 def random_hidden(rng, T: int, H: int, dtype: str):

@@ -1,6 +1,11 @@
 """Tiny random models of each MoE family pack knows, written by transformers itself (save_pretrained,
 safetensors) with every MoE option of the family switched on: the models the family tests pack and
-compare with the family's own MoE block. Needs torch and transformers (imported when a model is made)."""
+compare with the family's own MoE block; and the same models re-saved as the fp8 releases store their
+experts (write_fp8_model). Needs torch and transformers (imported when a model is made)."""
+import json
+import pathlib
+import re
+
 import numpy as np
 
 H = 32
@@ -47,14 +52,14 @@ def moe_blocks(model):
     return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")}
 
 
-def write_model(family, folder):
+def write_model(family, folder, **overrides):
     """The family's tiny random model (float32, eval mode), written into folder by save_pretrained;
-    the same model for the same family every time."""
+    the same model for the same family (and overrides of its config fields) every time."""
     import torch
     import transformers
     fields, _ = FAMILIES[family]
     torch.manual_seed(sum(family.encode()))
-    config = transformers.AutoConfig.for_model(family, **COMMON, **fields)
+    config = transformers.AutoConfig.for_model(family, **{**COMMON, **fields, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for block in moe_blocks(model).values():
@@ -67,3 +72,84 @@ def write_model(family, folder):
                 gate.e_score_correction_bias.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return model
+
+
+# How the fp8 releases store a quantised projection <proj>.weight [N, K] (F8_E4M3) beside it, and the
+# quantization_config in their config.json (pack.py's fp8 section reads each).
+FP8_RELEASES = {
+    # DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8: 128 x 128 blocks, weight_scale_inv [ceil(N/bn), ceil(K/bk)]
+    "block": lambda block: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": list(block)},
+    # AutoFP8 (e.g. Mixtral-8x7B-Instruct-v0.1-FP8): weight_scale [] and a static input_scale []
+    "tensor": lambda block: {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+    # fbgemm_fp8: weight_scale [N, 1], activations quantised per row with an upper bound
+    "channel": lambda block: {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                              "modules_to_not_convert": ["lm_head"]},
+    # compressed-tensors "channel" strategy: weight_scale [N, 1], dynamic per-token activations
+    "compressed-tensors": lambda block: {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": "channel",
+                                                  "symmetric": True, "dynamic": False},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                            "symmetric": True, "dynamic": True}}}},
+}
+# The projections of routed and shared experts (Mixtral's w1/w3/w2; the others' gate/up/down_proj).
+EXPERT_WEIGHT = re.compile(r"\.(experts\.\d+\.(w[123]|(gate|up|down)_proj)|shared_experts?\.(gate|up|down)_proj)"
+                           r"\.weight$")
+
+
+def write_fp8_model(family, folder, release="block", block=(128, 128), **overrides):
+    """write_model's model, its experts' projections (routed and shared) then re-saved as the fp8
+    release `release` (FP8_RELEASES) stores them: quantised by torch (scale = amax / 448 per block, row or
+    tensor; torch.float8_e4m3fn rounding), written by the safetensors library, with config.json's
+    quantization_config. Returns (model, dequantised): each quantised weight's name -> the float32 values
+    its codes and scales stand for (torch's float32 product), the weights of the layer of record."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    folder = pathlib.Path(folder)
+    model = write_model(family, folder, **overrides)
+    path = folder / "model.safetensors"
+    tensors, dequantised = load_file(path), {}
+    bn, bk = {"block": block, "tensor": (0, 0)}.get(release, (1, 0))
+    rng = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if EXPERT_WEIGHT.search(n)]:
+        weight = tensors[name].float()
+        (N, K), stem = weight.shape, name[:-len("weight")]
+        rows, cols = -(-N // (bn or N)), -(-K // (bk or K))
+        padded = torch.zeros(rows * (bn or N), cols * (bk or K))
+        padded[:N, :K] = weight.abs()
+        amax = padded.reshape(rows, bn or N, cols, bk or K).amax(dim=(1, 3))
+        grid = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+        scale = grid.repeat_interleave(bn or N, 0)[:N].repeat_interleave(bk or K, 1)[:, :K]
+        codes = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name] = codes
+        dequantised[name] = (codes.float() * scale).numpy()
+        if release == "block":
+            tensors[name + "_scale_inv"] = grid
+        elif release == "tensor":
+            tensors[stem + "weight_scale"] = grid.reshape(())
+            tensors[stem + "input_scale"] = torch.rand((), generator=rng) + 0.5  # calibrated: unused by Colibri
+        else:
+            tensors[stem + "weight_scale"] = grid.reshape(N, 1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = FP8_RELEASES[release](block)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return model, dequantised
+
+
+def dequantized_block(family, folder, layer, dequantised):
+    """transformers' MoE block of `family` (fp32) for decoder layer `layer` of the fp8 model written into
+    folder (write_fp8_model), loaded with that block's tensors, the quantised ones dequantised."""
+    from safetensors.torch import load_file
+
+    from colibri.pack import transformers_block
+    config = json.loads((pathlib.Path(folder) / "config.json").read_text())
+    ours = [n for n in dequantised if f"layers.{layer}." in n]
+    base = re.split(r"\.(?:experts|shared_experts?)\.", ours[0])[0] + "."
+    tensors = {}
+    for name, value in load_file(pathlib.Path(folder) / "model.safetensors").items():
+        if name.startswith(base) and not name.endswith(("_scale", "_scale_inv")):
+            tensors[name[len(base):]] = dequantised[name] if name in dequantised else value.float().numpy()
+    return transformers_block(family, config, tensors)
