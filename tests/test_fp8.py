@@ -74,6 +74,15 @@ def test_every_code_round_trips():
 # Scale grids
 
 
+def test_binding_carries_fp8():
+    """The cffi extension, built from colibri.h's cdef block, has fp8's dtype, fields and function."""
+    config, weights = colibri.ffi.new("colibri_moe_config_t *"), colibri.ffi.new("colibri_moe_weights_t *")
+    config.scale_block_n, config.scale_block_k = 128, 64
+    assert (config.scale_block_n, config.scale_block_k) == (128, 64)
+    assert weights.expert_scales == colibri.ffi.NULL and weights.shared_scales == colibri.ffi.NULL
+    assert lib.COLIBRI_DTYPE_F8E4M3 == 3 and lib.colibri_dtype_size(lib.COLIBRI_DTYPE_F8E4M3) == 1
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "linear"])
 @pytest.mark.parametrize("block", [(128, 128), (1, 0), (0, 0), (32, 16), (0, 64), (200, 1)])
 def test_scales_numel_matches_the_library(kind, block):
