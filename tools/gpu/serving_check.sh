@@ -1,7 +1,8 @@
 #!/bin/bash
 # GPU serving check on a one-GPU machine with no registry access. The server's Python cannot import
 # torch (a package on its path refuses it), so the GPU instance must load and serve with cupy alone.
-# Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; fp32 activations on the wire)
+# Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; DTYPE=fp8_e4m3 for fp8 experts
+# in 128 x 128 blocks, drawn and quantised with numpy: pick a smaller SHAPE; fp32 activations on the wire)
 # with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients,
 # and times the first requests with and without the instance's warm-up. Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz
 # (tools/gpu/wheels.sh, then tools/gpu/loadtest_wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
@@ -11,6 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-$PWD/gpu-check}
 shape=${SHAPE:-8,2,4096,14336}
+dtype=${DTYPE:-bf16}
 mkdir -p "$out"
 work=$(mktemp -d)
 failed=0
@@ -51,9 +53,9 @@ fi
 step build "the cffi extension" python3 backend_src/colibri/_ffi_build.py --lib "$lib"
 weights="$work/layer.colibri.safetensors"
 IFS=, read -r E k H F <<< "$shape"
-step build "a bf16 checkpoint $shape" python3 -c "
+step build "a $dtype checkpoint $shape" python3 -c "
 from pathlib import Path; from colibri.testing import load_script; compare = load_script('bench/serving/compare.py')
-compare.write_demo(Path('$weights'), $E, $k, $H, $F, 'bf16')"
+compare.write_demo(Path('$weights'), $E, $k, $H, $F, '$dtype')"
 
 serve() {  # serve LOG ARGS...: starts `colibri serve` without torch on its path; pid in $server
   local log=$1
