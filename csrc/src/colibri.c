@@ -103,7 +103,10 @@ static const char *cuda_missing(const colibri_moe_config_t *c, const colibri_moe
     (void)w;
     /* the warp top-k ranks the groups with one lane each */
     if (c->n_group > 32) return "group-limited routing with more than 32 groups";
-    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) return "fp8 weights";
+    /* the fp8 kernels give 16 consecutive weights of a row one scale, found by a shift */
+    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && c->scale_block_k != 0 &&
+        (c->scale_block_k < 16 || (c->scale_block_k & (c->scale_block_k - 1)) != 0))
+        return "fp8 weights with a scale_block_k other than 0 or a power of two from 16 on";
     /* the shared slices take SiLU while the routed experts take the OAI tag: one tag per launch */
     if (c->shared_intermediate_size > 0 && c->activation != COLIBRI_ACTIVATION_SILU)
         return "a shared expert beside the SWIGLU_OAI activation";

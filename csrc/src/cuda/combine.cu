@@ -1,10 +1,11 @@
 /*
  * combine.cu — the weighted top-k sum: out[t] = sum_j topk_weights[t, j] * y[inv[t*k + j]], j in order,
- * accumulated in fp32 and written once in the activation dtype. A fixed order and no float atomics
- * make the output bitwise identical from run to run. Assignments whose id was out of range
- * (inv = -1) contribute nothing. When no permute ran (direct mode, gemv.cuh), inv is NULL, y row
- * t*k + j belongs to assignment t*k + j, and the ids say which are out of range. Expert biases: each
- * y row's expert's output bias is added in fp32 before its weight (BIAS, a variant of its own).
+ * accumulated in fp32 and written once in the activation dtype (y: the compute dtype, cuda_backend.cuh).
+ * A fixed order and no float atomics make the output bitwise identical from run to run. Assignments
+ * whose id was out of range (inv = -1) contribute nothing. When no permute ran (direct mode, gemv.cuh),
+ * inv is NULL, y row t*k + j belongs to assignment t*k + j, and the ids say which are out of range.
+ * Expert biases: each y row's expert's output bias is added in fp32 before its weight (BIAS, a variant
+ * of its own).
  */
 #include "cuda_backend.cuh"
 
@@ -61,7 +62,7 @@ colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, i
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const float *bias = colibri_cuda_output_bias(ctx);
     cudaError_t err = cudaSuccess;
-    colibri_dispatch_dtype(ctx->cfg.weight_dtype, [&](auto ty) {
+    colibri_dispatch_dtype(colibri_cuda_compute_dtype(&ctx->cfg), [&](auto ty) {
         colibri_dispatch_dtype(act_dtype, [&](auto ta) {
             using TY = typename decltype(ty)::type;
             using TA = typename decltype(ta)::type;

@@ -47,12 +47,14 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     const colibri_moe_config_t *cfg = &ctx->cfg;
     const size_t E0 = (size_t)cfg->num_experts, k0 = (size_t)cfg->top_k, H = (size_t)cfg->hidden_size;
     const size_t m = (size_t)ctx->shared_experts, E = E0 + m, k = k0 + m;
-    const size_t F = (size_t)cfg->intermediate_size, wsize = colibri_dtype_size(cfg->weight_dtype);
+    /* the experts' activations are in the compute dtype (fp8 weights: bf16) */
+    const size_t F = (size_t)cfg->intermediate_size, wsize = colibri_dtype_size(colibri_cuda_compute_dtype(cfg));
     const size_t positions = tokens * k;
     b->router = ctx->router_weight ? c.take<float>(E0 * H) : NULL;
     b->router_bias = ctx->router_bias ? c.take<float>(E0) : NULL;
     b->router_logit_bias = ctx->router_logit_bias ? c.take<float>(E0) : NULL;
     b->expert_bias = ctx->expert_bias ? c.take<float>((size_t)colibri_all_experts(ctx) * ctx->bias_numel) : NULL;
+    b->expert_scales = ctx->expert_scales ? c.take<float>((size_t)colibri_all_experts(ctx) * ctx->scales_numel) : NULL;
     const size_t split = colibri_cuda_route_split_elems(ctx, tokens);
     b->router_split = split ? c.take<__nv_bfloat16>(split) : NULL;
     b->logits = c.take<float>(tokens * E0);
@@ -132,6 +134,10 @@ colibri_status_t init_on_device(colibri_moe_context_t *ctx, CudaBackend *b, cons
     if (b->expert_bias)
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->expert_bias, ctx->expert_bias,
                                       (size_t)colibri_all_experts(ctx) * ctx->bias_numel * sizeof(float),
+                                      cudaMemcpyHostToDevice));
+    if (b->expert_scales)
+        COLIBRI_CUDA_CHECK(cudaMemcpy(b->expert_scales, ctx->expert_scales,
+                                      (size_t)colibri_all_experts(ctx) * ctx->scales_numel * sizeof(float),
                                       cudaMemcpyHostToDevice));
     if (b->shared_gate)
         COLIBRI_CUDA_CHECK(cudaMemcpy(b->shared_gate, ctx->shared_gate, cfg->hidden_size * sizeof(float),

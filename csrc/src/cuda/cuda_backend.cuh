@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -46,6 +47,8 @@ struct CudaBackend {
     float *router_bias;         /* [E] fp32, or NULL */
     float *router_logit_bias;   /* [E] fp32 added to the logits, or NULL */
     float *expert_bias;         /* [E + m, bias_numel] fp32 (ctx->expert_bias), or NULL */
+    float *expert_scales;       /* fp8 weights: [E + m, ctx->scales_numel] fp32 scale grids (ctx->expert_scales; a
+                                 * projection's view: colibri_cuda_scale_grid), else NULL */
     __nv_bfloat16 *router_split; /* [3, E, H] the router as hi + mid + lo bf16 parts (route.cu), or NULL; carved
                                   * wherever the router GEMM may run (6 bytes per router weight) */
     int router_parts;           /* 1 where every mid and lo is 0 (a bf16 router upcast), else 3 */
@@ -66,10 +69,11 @@ struct CudaBackend {
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
     unsigned *permute_done;     /* [1] its count blocks done; 0 between launches */
-    /* Experts compute in the weight dtype ("compute dtype"): tensor cores take 16-bit operands of one type. */
-    void *xc;                   /* [Tw, H] input converted to the weight dtype (tensor-core path) */
-    void *inter;                /* [Tw * k, F] weight dtype (SWIGLU only) */
-    void *y;                    /* [Tw * k, O] weight dtype: each assignment's expert output */
+    /* Experts compute in the "compute dtype" (colibri_cuda_compute_dtype): the weight dtype, bf16 for fp8
+     * weights. Tensor cores take 16-bit operands of one type. */
+    void *xc;                   /* [Tw, H] input converted to the compute dtype (tensor-core path) */
+    void *inter;                /* [Tw * k, F] compute dtype (SWIGLU only) */
+    void *y;                    /* [Tw * k, O] compute dtype: each assignment's expert output */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see mma_experts.cuh) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
@@ -97,9 +101,38 @@ template <class F> static inline void colibri_dispatch_dtype(colibri_dtype_t d, 
     }
 }
 
+/* An fp8 e4m3 weight (OCP e4m3fn: S.1111.111 is NaN), as the packed checkpoint stores it: a type of its
+ * own, so that no overload takes it for an integer. Weights only: nothing is ever stored in it. */
+struct F8E4M3 {
+    __nv_fp8_storage_t bits;
+};
+
+/* Calls f(DtypeTag<T>{}) with T the C++ type of weight dtype d: colibri_dispatch_dtype's and F8E4M3. */
+template <class F> static inline void colibri_dispatch_weight_dtype(colibri_dtype_t d, F &&f) {
+    if (d == COLIBRI_DTYPE_F8E4M3) f(DtypeTag<F8E4M3>{});
+    else colibri_dispatch_dtype(d, f);
+}
+
+/* The dtype experts of weights TW compute and store in (inter, y, the tensor cores' x): TW itself, bf16
+ * for fp8 (e4m3 values are exact in bf16, and the 16-bit kernels take bf16). */
+template <class TW> struct ComputeOf { using type = TW; };
+template <> struct ComputeOf<F8E4M3> { using type = __nv_bfloat16; };
+template <class TW> using compute_t = typename ComputeOf<TW>::type;
+static inline colibri_dtype_t colibri_cuda_compute_dtype(const colibri_moe_config_t *c) {
+    return c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? COLIBRI_DTYPE_BF16 : c->weight_dtype;
+}
+
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+/* e4m3 -> fp16 is exact (one cvt on sm_89 on; cuda_fp8.h emulates it before), NaN stays NaN */
+__device__ __forceinline__ float to_f32(F8E4M3 v) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
+}
+/* Two adjacent e4m3 weights (the lower address in .x) to fp32, exactly: one cvt.f16x2.e4m3x2 on sm_89 on. */
+__device__ __forceinline__ float2 f8x2_to_f32(__nv_fp8x2_storage_t v) {
+    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3)));
+}
 
 template <class T> __device__ __forceinline__ T from_f32(float v);
 template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
@@ -135,6 +168,59 @@ template <class T, int N> __device__ __forceinline__ Pack<T, N> load_stream(cons
     } else {
         return *reinterpret_cast<const Pack<T, N> *>(p);
     }
+}
+
+/* N fp8 weights to fp32, in pairs where N is even. */
+template <int N> __device__ __forceinline__ void f8_to_f32(const Pack<F8E4M3, N> &p, float (&out)[N]) {
+    if constexpr (N % 2 == 0) {
+        const __nv_fp8x2_storage_t *q = reinterpret_cast<const __nv_fp8x2_storage_t *>(&p);
+#pragma unroll
+        for (int i = 0; i < N / 2; i++) {
+            const float2 f = f8x2_to_f32(q[i]);
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; i++) out[i] = to_f32(p.v[i]);
+    }
+}
+
+/* fp8 weights: the scale grids one projection reads, in the form every fp8 kernel takes (a kernel
+ * parameter of its own: a field more in ProjArgs changes every 16-bit kernel's code, see gemv.cuh).
+ * Weight (n, k) of expert e's matrix scales by grid[(n / bn) * cols + (k >> k_shift)], grid = s +
+ * e * expert_stride (+ second for a GLU's up matrix). bn 0: one row of the grid (per tensor or per
+ * k block); k_shift = log2(scale_block_k), or 31 where the block is the whole row (then k >> 31 = 0).
+ * colibri.h has the layout (per matrix [ceil(N / bn), ceil(K / bk)] row-major, gate, up, down). */
+struct ScaleGrid {
+    const float *s;         /* grid of the projection's (first) matrix of expert 0 */
+    int64_t expert_stride;  /* floats from one expert's grids to the next (ctx->scales_numel) */
+    int32_t second;         /* a GLU: floats from the gate grid to the up grid */
+    int32_t bn, cols, k_shift;
+    /* Row n's scales of expert e's first matrix (m = 0) or up matrix (m = 1). */
+    __device__ __forceinline__ const float *row(int e, int m, int n) const {
+        return s + e * expert_stride + m * second + (bn > 0 ? n / bn : 0) * cols;
+    }
+};
+
+/* The grid of matrix `matrix` (0 gate or w, 1 up, 2 down: colibri_scale_grid_offset) with K columns for
+ * a projection of ctx's (view's) experts; second: the up grid after the gate grid. Zeros where the
+ * weights are not fp8. The CUDA backend takes scale_block_k 0 or a power of two from 16 on (colibri.c's
+ * cuda_missing refuses the others), so that 16 consecutive weights share a scale. */
+static inline ScaleGrid colibri_cuda_scale_grid(const colibri_moe_context_t *ctx, int matrix, int32_t K) {
+    const float *s = ((const struct CudaBackend *)ctx->backend)->expert_scales;
+    ScaleGrid g = {};
+    if (!s) return g;
+    const colibri_moe_config_t *c = &ctx->cfg;
+    const int32_t bk = c->scale_block_k;
+    g.s = s + colibri_scale_grid_offset(c, matrix);
+    g.expert_stride = (int64_t)ctx->scales_numel;
+    g.second = (int32_t)colibri_scale_grid_offset(c, 1);
+    g.bn = c->scale_block_n;
+    g.cols = colibri_scale_blocks(K, bk);
+    g.k_shift = bk > 0 ? 0 : 31;
+    while (bk > 0 && (1 << g.k_shift) < bk) g.k_shift++;
+    return g;
 }
 
 __device__ __forceinline__ float silu_f32(float g) { return g / (1.0f + expf(-g)); }

@@ -3,7 +3,8 @@
  * expert kernels, the launchers (project, project_combine) and the L2 prefetch beside the router.
  * The kernels: gemv.cuh (few tokens), mma_experts.cuh (16-64 rows), wgmma_kernel.cuh and wgmma_ws.cuh
  * (128 rows on sm_90a); experts_plan.cu picks among them. Outputs: inter [T*k, F] and y [T*k, O] in
- * the weight dtype, rows in sorted order (direct mode: assignment order). See docs/cuda-design.md.
+ * the compute dtype (the weight dtype; bf16 for fp8 weights), rows in sorted order (direct mode:
+ * assignment order). See docs/cuda-design.md.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -124,12 +125,15 @@ void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBacke
 }
 
 /* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
- * x rows -> out [positions, n], weights at byte offset `first` (and `first + second` for the up matrix of
- * a GLU) inside each expert. `bookkeeping`: this projection keeps the direct mode's counters. */
+ * x rows -> out [positions, n] (compute dtype), weights at byte offset `first` (and `first + second` for
+ * the up matrix of a GLU) inside each expert, `matrix` their index in an expert (colibri_scale_grid_offset:
+ * fp8 weights' scales). `bookkeeping`: this projection keeps the direct mode's counters. */
 template <class TW, class TX, class Act>
 static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments, int32_t tile_m, size_t first,
-                           size_t second, int32_t n, int32_t k, const void *x, const int32_t *row_map, void *out,
-                           bool x_aligned, const int32_t *direct_ids, bool bookkeeping, cudaStream_t stream) {
+                           size_t second, int matrix, int32_t n, int32_t k, const void *x, const int32_t *row_map,
+                           void *out, bool x_aligned, const int32_t *direct_ids, bool bookkeeping,
+                           cudaStream_t stream) {
+    constexpr bool f8 = std::is_same<TW, F8E4M3>::value;
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
     int64_t slots = assignments / tile_m + active;
@@ -169,7 +173,10 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     if (tile_m <= GEMV_GROUP) {
         const size_t row_bytes = (size_t)k * sizeof(TW) * (Act::glu ? 2 : 1);
         const int row_blocks = plan_gemv_row_blocks(b, direct_ids != NULL, row_bytes, slots);
-        return gemv_launch<TW, TX, TW, Act>(a, slots, tile_m, k % 8 == 0 && x_aligned, row_blocks, stream);
+        /* 16-byte loads: 16 fp8 weights, else 8 elements or more */
+        const bool vec = k % (f8 ? 16 : 8) == 0 && x_aligned;
+        return gemv_launch<TW, TX, compute_t<TW>, Act>(a, slots, tile_m, vec, row_blocks,
+                                                       colibri_cuda_scale_grid(ctx, matrix, k), stream);
     }
     if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
 #if COLIBRI_TMA
@@ -219,7 +226,7 @@ static cudaError_t project_combine(const colibri_moe_context_t *ctx, int64_t ass
     a.num_experts = ctx->cfg.num_experts;
     const int rows = plan_combine_rows(b, (size_t)F * sizeof(TW), H, assignments);
     return gemv_combine_launch<TW, TA>(a, topk_weights, ctx->cfg.top_k, rows, out, colibri_cuda_output_bias(ctx),
-                                       ctx->bias_numel, stream);
+                                       ctx->bias_numel, colibri_cuda_scale_grid(ctx, 2, F), stream);
 }
 
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
@@ -232,27 +239,27 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     const int32_t H = c->hidden_size, F = c->intermediate_size;
     const size_t wsize = colibri_dtype_size(c->weight_dtype), mat = (size_t)F * H * wsize;
     const bool swiglu = c->expert_kind == COLIBRI_EXPERT_SWIGLU;
-    const colibri_dtype_t out_dtype = act_dtype;
+    const colibri_dtype_t out_dtype = act_dtype, compute = colibri_cuda_compute_dtype(c);
     /* the down projection of direct mode sums the top-k itself where its rows allow 16-byte loads */
-    const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX && F % 8 == 0;
+    const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX &&
+                      F % (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? 16 : 8) == 0;
     *combined = false;
-    /* the tensor-core path reads x in the weight dtype */
-    if (tile_m > GEMV_GROUP && act_dtype != c->weight_dtype) {
-        colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, c->weight_dtype,
-                                                          num_tokens * H, stream);
+    /* the tensor-core path reads x in the compute dtype */
+    if (tile_m > GEMV_GROUP && act_dtype != compute) {
+        colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, compute, num_tokens * H, stream);
         if (st != COLIBRI_OK) return st;
         input = b->xc;
-        act_dtype = c->weight_dtype;
+        act_dtype = compute;
     }
     const bool in_aligned = colibri_aligned16(input);
     cudaError_t err = cudaSuccess;
-    colibri_dispatch_dtype(c->weight_dtype, [&](auto tw) {
+    colibri_dispatch_weight_dtype(c->weight_dtype, [&](auto tw) {
         using TW = typename decltype(tw)::type;
         colibri_dispatch_dtype(act_dtype, [&](auto tx) {
             using TX = typename decltype(tx)::type;
             colibri_dispatch_act(c, [&](auto act) {
                 using Act = decltype(act);
-                err = project<TW, TX, Act>(ctx, assignments, tile_m, 0, Act::glu ? mat : 0, F, H, input, b->perm,
+                err = project<TW, TX, Act>(ctx, assignments, tile_m, 0, Act::glu ? mat : 0, 0, F, H, input, b->perm,
                                            swiglu ? b->inter : b->y, in_aligned, direct_ids, true, stream);
             });
         });
@@ -263,8 +270,8 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
                                               stream);
             });
         } else if (err == cudaSuccess && swiglu) {
-            err = project<TW, TW, ActLinear>(ctx, assignments, tile_m, 2 * mat, 0, H, F, b->inter, NULL, b->y, true,
-                                         direct_ids, false, stream);
+            err = project<TW, compute_t<TW>, ActLinear>(ctx, assignments, tile_m, 2 * mat, 0, 2, H, F, b->inter, NULL,
+                                                        b->y, true, direct_ids, false, stream);
         }
     });
     COLIBRI_CUDA_CHECK(err);

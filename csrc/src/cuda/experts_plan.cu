@@ -85,7 +85,9 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
-    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && c->hidden_size % 8 == 0 &&
+    /* fp8 weights: the gemv at every T until tensor-core kernels take them */
+    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && c->weight_dtype != COLIBRI_DTYPE_F8E4M3 &&
+                              c->hidden_size % 8 == 0 &&
                               c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
     const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
     if (!tensor_cores || assignments <= GEMV_MAX_ASSIGNMENTS) {

@@ -5,10 +5,14 @@
  * pass) and streams it with 16-byte loads against up to MAXNT token rows. blockIdx.x picks the positions: in
  * direct mode the block finds its expert among the ids itself (no permute; positions t*k+j), else a
  * tile of permute.cu's table, else (the router) 8 consecutive positions; the router's launch may split
- * K over blockIdx.z (gemv_split_kernel). docs/cuda-design.md ("Decode: the gemv") says why.
+ * K over blockIdx.z (gemv_split_kernel). fp8 weights (gemv_f8_kernel, gemv_combine_f8_kernel): 16 per
+ * 16-byte load, widened in registers, each lane's 16-weight dot times its scale (ScaleGrid).
+ * docs/cuda-design.md ("Decode: the gemv") says why.
  */
 #ifndef COLIBRI_CUDA_GEMV_CUH
 #define COLIBRI_CUDA_GEMV_CUH
+
+#include <type_traits>
 
 #include "activation.cuh"
 
@@ -130,6 +134,20 @@ __device__ __forceinline__ int gemv_direct_setup_warp(const ProjArgs &a, int &ex
     return __popc(m);
 }
 
+/* The scales gemv_chunk applies to a warp's rows: none (NoScales: 16- and 32-bit weights, the kernels'
+ * code as it was without fp8), or fp8's (RowScales): the gate (or only) row's s0 and the up row's s1 of
+ * a ScaleGrid, indexed by k >> k_shift. Rows are never split along K for fp8 (the router is fp32), so
+ * k counts from the row's start. */
+struct NoScales {};
+struct RowScales {
+    const float *s0, *s1;
+    int k_shift;
+};
+__device__ __forceinline__ NoScales gemv_row_scales(const NoScales &, int, int) { return {}; }
+__device__ __forceinline__ RowScales gemv_row_scales(const ScaleGrid &g, int expert, int n) {
+    return RowScales{g.row(expert, 0, n), g.row(expert, 1, n), g.k_shift};
+}
+
 /* Position p of this block: its output row and its x row. */
 __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_pos, int p, int &out_row, int &x_row) {
     if (s_pos) {
@@ -143,18 +161,26 @@ __device__ __forceinline__ void gemv_position(const ProjArgs &a, const int *s_po
 
 /* One chunk of UNROLL steps of K (a step: 16 bytes per lane and matrix) for NT token rows: every weight
  * load of the chunk issued before the first use. PARTIAL: the chunk may run past kl (the row length,
- * a.k, or a split's K range), and the steps past it are skipped. */
-template <class TW, class TX, int VW, class Act, int NT, int UNROLL, bool PARTIAL>
+ * a.k, or a split's K range), and the steps past it are skipped. fp8 (RS = RowScales): a lane's VW
+ * weights of a step share one scale (scale_block_k a multiple of 16), which multiplies their fp32 dot
+ * with x: the dequantised weights' dot up to fp32 rounding. */
+template <class TW, class TX, int VW, class Act, int NT, int UNROLL, bool PARTIAL, class RS>
 __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int k0, int kl,
-                                           float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
+                                           float (&acc0)[NT], float (&acc1)[NT], bool &must_wait, const RS &rs) {
     constexpr int STEP = 32 * VW;
+    constexpr bool F8 = std::is_same<RS, RowScales>::value;
     Pack<TW, VW> wa[UNROLL], wb[UNROLL];
+    float sa[F8 ? UNROLL : 1], sb[F8 ? UNROLL : 1];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
         /* past K: the chunk's first step again (a hit), keeping the loads unconditional */
         const int k = PARTIAL && k0 + u * STEP >= kl ? k0 : k0 + u * STEP;
         wa[u] = load_stream<TW, VW>(w0 + k);
         if (Act::glu) wb[u] = load_stream<TW, VW>(w1 + k);
+        if constexpr (F8) { /* the scales are never written by a kernel: loaded before the wait too */
+            sa[u] = __ldg(rs.s0 + (k >> rs.k_shift));
+            if (Act::glu) sb[u] = __ldg(rs.s1 + (k >> rs.k_shift));
+        }
     }
     if (must_wait) { /* the weights are on their way; x is the previous kernel's output */
         pdl_wait();
@@ -163,14 +189,32 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
         if (PARTIAL && k0 + u * STEP >= kl) break;
+        if constexpr (F8) {
+            float fa[VW], fb[VW];
+            f8_to_f32<VW>(wa[u], fa);
+            if (Act::glu) f8_to_f32<VW>(wb[u], fb);
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            float xv[VW];
-            load_f32<TX, VW>(xr[t] + k0 + u * STEP, xv);
+            for (int t = 0; t < NT; t++) {
+                float xv[VW], da = 0.0f, db = 0.0f;
+                load_f32<TX, VW>(xr[t] + k0 + u * STEP, xv);
 #pragma unroll
-            for (int i = 0; i < VW; i++) {
-                acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
-                if (Act::glu) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
+                for (int i = 0; i < VW; i++) {
+                    da = fmaf(fa[i], xv[i], da);
+                    if (Act::glu) db = fmaf(fb[i], xv[i], db);
+                }
+                acc0[t] = fmaf(sa[u], da, acc0[t]);
+                if (Act::glu) acc1[t] = fmaf(sb[u], db, acc1[t]);
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                float xv[VW];
+                load_f32<TX, VW>(xr[t] + k0 + u * STEP, xv);
+#pragma unroll
+                for (int i = 0; i < VW; i++) {
+                    acc0[t] = fmaf(to_f32(wa[u].v[i]), xv[i], acc0[t]);
+                    if (Act::glu) acc1[t] = fmaf(to_f32(wb[u].v[i]), xv[i], acc1[t]);
+                }
             }
         }
     }
@@ -178,9 +222,9 @@ __device__ __forceinline__ void gemv_chunk(const TW *w0, const TW *w1, const TX 
 
 /* This warp's row w0 (and w1) dotted with NT token rows xr over elements [0, kl) of each (the pointers
  * already at the range's start), summed over the warp: every lane gets the NT sums. */
-template <class TW, class TX, int VW, class Act, int NT, int UNROLL>
+template <class TW, class TX, int VW, class Act, int NT, int UNROLL, class RS>
 __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *const (&xr)[NT], int lane, int kl,
-                                         float (&acc0)[NT], float (&acc1)[NT], bool &must_wait) {
+                                         float (&acc0)[NT], float (&acc1)[NT], bool &must_wait, const RS &rs) {
     constexpr int STEP = 32 * VW;
 #pragma unroll
     for (int t = 0; t < NT; t++) acc0[t] = acc1[t] = 0.0f;
@@ -190,10 +234,10 @@ __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *c
      * time. Each lane still sums its elements in ascending k: the result does not depend on UNROLL. */
     int k0 = lane * VW;
     for (; k0 + (UNROLL - 1) * STEP < kl; k0 += UNROLL * STEP)
-        gemv_chunk<TW, TX, VW, Act, NT, UNROLL, false>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
+        gemv_chunk<TW, TX, VW, Act, NT, UNROLL, false>(w0, w1, xr, k0, kl, acc0, acc1, must_wait, rs);
     constexpr int TAIL = NT == 1 ? UNROLL : (UNROLL + 1) / 2; /* wider passes: no spills (ptxas -v) */
     for (; k0 < kl; k0 += TAIL * STEP)
-        gemv_chunk<TW, TX, VW, Act, NT, TAIL, true>(w0, w1, xr, k0, kl, acc0, acc1, must_wait);
+        gemv_chunk<TW, TX, VW, Act, NT, TAIL, true>(w0, w1, xr, k0, kl, acc0, acc1, must_wait, rs);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
 #pragma unroll
@@ -206,10 +250,10 @@ __device__ __forceinline__ void gemv_dot(const TW *w0, const TW *w1, const TX *c
 
 /* One pass over this warp's row(s) for NT token rows; `count` (<= NT) of them are real. The K range
  * [kb, kb + kl) of rows a.k long (the whole row but in a split router launch), the sums to out. */
-template <class TW, class TX, class TO, int VW, class Act, int NT, int UNROLL>
+template <class TW, class TX, class TO, int VW, class Act, int NT, int UNROLL, class RS>
 __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int p0,
                                           int count, int n, int lane, int kb, int kl, void *out_v, bool &must_wait,
-                                          int expert) {
+                                          int expert, const RS &rs) {
     const TX *xr[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -218,7 +262,7 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
         xr[t] = reinterpret_cast<const TX *>(a.x) + (size_t)x_row * a.k + kb;
     }
     float acc0[NT], acc1[NT];
-    gemv_dot<TW, TX, VW, Act, NT, UNROLL>(w0 + kb, w1 + kb, xr, lane, kl, acc0, acc1, must_wait);
+    gemv_dot<TW, TX, VW, Act, NT, UNROLL>(w0 + kb, w1 + kb, xr, lane, kl, acc0, acc1, must_wait, rs);
     TO *out = reinterpret_cast<TO *>(out_v);
 #pragma unroll
     for (int t = 0; t < NT; t++) {
@@ -236,6 +280,10 @@ __device__ __forceinline__ void gemv_rows(const ProjArgs &a, const TW *w0, const
  * wider ones. */
 template <int MAXNT> constexpr int gemv_min_blocks() { return MAXNT <= 2 ? 3 : 2; }
 
+/* fp8: a step's 16 weights widen to 16 fp32 per matrix, which the 16-bit kernels' budget spills past one
+ * token row (ptxas -v); 2 blocks of 8 warps still keep 16 KB of weights in flight per SM and matrix. */
+template <int MAXNT> constexpr int gemv_f8_min_blocks() { return MAXNT == 1 ? 3 : MAXNT <= 4 ? 2 : 1; }
+
 /* 16-byte loads in flight per lane and matrix: 8 for the narrow single-matrix kernels (the down
  * projection at decode), else 4 (registers: see the file header) */
 template <int VW, class Act, int MAXNT> constexpr int gemv_unroll() {
@@ -244,30 +292,34 @@ template <int VW, class Act, int MAXNT> constexpr int gemv_unroll() {
 
 /* One pass over `count` (<= MAXNT) token rows from position q, with the narrowest gemv_rows that
  * holds them. */
-template <class TW, class TX, class TO, int VW, class Act, int MAXNT, int U>
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT, int U, class RS>
 __device__ __forceinline__ void gemv_pass(const ProjArgs &a, const TW *w0, const TW *w1, const int *s_pos, int q,
                                           int count, int n, int lane, int kb, int kl, void *out, bool &must_wait,
-                                          int expert) {
+                                          int expert, const RS &rs) {
     if constexpr (MAXNT >= 8)
         if (count > 4) {
-            gemv_rows<TW, TX, TO, VW, Act, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
+            gemv_rows<TW, TX, TO, VW, Act, 8, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert,
+                                                 rs);
             return;
         }
     if constexpr (MAXNT >= 4)
         if (count > 2) {
-            gemv_rows<TW, TX, TO, VW, Act, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
+            gemv_rows<TW, TX, TO, VW, Act, 4, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert,
+                                                 rs);
             return;
         }
     if constexpr (MAXNT >= 2)
         if (count == 2) {
-            gemv_rows<TW, TX, TO, VW, Act, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
+            gemv_rows<TW, TX, TO, VW, Act, 2, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert,
+                                                 rs);
             return;
         }
-    gemv_rows<TW, TX, TO, VW, Act, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert);
+    gemv_rows<TW, TX, TO, VW, Act, 1, U>(a, w0, w1, s_pos, q, count, n, lane, kb, kl, out, must_wait, expert, rs);
 }
 
-template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
+/* gemv_kernel's body; G: NoScales, or fp8's ScaleGrid. */
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT, class G>
+__device__ __forceinline__ void gemv_run(const ProjArgs &a, const G &g) {
     __shared__ int s_pos_buf[GEMV_DIRECT_MAX];
     bool must_wait = a.ids && a.early;
     if (must_wait) pdl_trigger();                  /* wait later, after the first weight loads */
@@ -304,16 +356,28 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w0 = reinterpret_cast<const TW *>(a.w + (size_t)expert * a.w_expert_stride) + (size_t)n * a.k;
         const TW *w1 = reinterpret_cast<const TW *>(reinterpret_cast<const char *>(w0) + a.w_second);
+        const auto rs = gemv_row_scales(g, expert, n);
         for (int q = p0; q < p1; q += MAXNT)
             gemv_pass<TW, TX, TO, VW, Act, MAXNT, U>(a, w0, w1, s_pos, q, min(p1 - q, MAXNT), n, lane, 0, a.k, a.out,
-                                                    must_wait, expert);
+                                                    must_wait, expert, rs);
     }
+}
+
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gemv_kernel(ProjArgs a) {
+    gemv_run<TW, TX, TO, VW, Act, MAXNT>(a, NoScales{});
+}
+
+/* fp8 weights: the scales a parameter of their own (ScaleGrid). */
+template <class TX, class TO, int VW, class Act, int MAXNT>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_f8_min_blocks<MAXNT>()) gemv_f8_kernel(ProjArgs a, ScaleGrid g) {
+    gemv_run<F8E4M3, TX, TO, VW, Act, MAXNT>(a, g);
 }
 
 /* Direct mode's last projection with the weighted top-k sum folded in (GEMV_COMBINE_MAX assignments at
  * most, one matrix): out[t, n] = sum_j wts[t k + j] * y(t k + j, n), j in order, where y is the
  * projection of assignment t k + j rounded to the weight dtype, exactly as gemv_kernel writes it and
- * combine.cu sums it: the output is the same bits as the two kernels give, without y's round trip
+ * combine.cu sums it (fp8: rounded to bf16, y's dtype): the output is the same bits as the two kernels give, without y's round trip
  * through memory and the combine kernel's launch after the last weight arrives. Block b takes output
  * rows [b rows, (b + 1) rows); its warps share the rows x assignments pairs (r, i), q = r A + i, q =
  * warp, warp + 8, ..., so a warp's pairs are mostly one expert's rows; the sums meet in shared memory.
@@ -322,10 +386,10 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<MAXNT>()) gem
 #define GEMV_COMBINE_MAX 8   /* assignments: the few-tokens path where tensor cores could run */
 #define GEMV_COMBINE_ROWS 64 /* most output rows per block (shared memory) */
 
-template <class TW, class TA, int VW>
-__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
-    gemv_combine_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out, const float *bias,
-                        int bias_stride) {
+template <class TW, class TA, int VW, class G>
+__device__ __forceinline__ void gemv_combine_run(const ProjArgs &a, const float *wts, int top_k, int rows, TA *out,
+                                                 const float *bias, int bias_stride, const G &g) {
+    using TC = compute_t<TW>; /* x (inter) and y's dtype */
     __shared__ int s_e[GEMV_COMBINE_MAX];
     __shared__ float s_y[GEMV_COMBINE_ROWS][GEMV_COMBINE_MAX];
     pdl_trigger();
@@ -342,10 +406,11 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
         const int r = q / A, i = q - r * A, e = s_e[i];
         if (e < 0) continue;
         const TW *w = reinterpret_cast<const TW *>(a.w + (size_t)e * a.w_expert_stride) + (size_t)(n0 + r) * a.k;
-        const TW *const xr[1] = {reinterpret_cast<const TW *>(a.x) + (size_t)i * a.k};
+        const TC *const xr[1] = {reinterpret_cast<const TC *>(a.x) + (size_t)i * a.k};
         float acc0[1], acc1[1];
-        gemv_dot<TW, TW, VW, ActLinear, 1, U>(w, w, xr, lane, a.k, acc0, acc1, must_wait);
-        if (lane == 0) s_y[r][i] = to_f32(from_f32<TW>(acc0[0]));
+        gemv_dot<TW, TC, VW, ActLinear, 1, U>(w, w, xr, lane, a.k, acc0, acc1, must_wait,
+                                              gemv_row_scales(g, e, n0 + r));
+        if (lane == 0) s_y[r][i] = to_f32(from_f32<TC>(acc0[0]));
     }
     if (must_wait) pdl_wait(); /* the weights below: the routing's, visible after the wait */
     __syncthreads();
@@ -364,14 +429,33 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
     }
 }
 
+template <class TW, class TA, int VW>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
+    gemv_combine_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out, const float *bias,
+                        int bias_stride) {
+    gemv_combine_run<TW, TA, VW>(a, wts, top_k, rows, out, bias, bias_stride, NoScales{});
+}
+
+/* fp8 weights (inter and y in bf16): the scales a parameter of their own (ScaleGrid of the down matrix). */
+template <class TA, int VW>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<1>())
+    gemv_combine_f8_kernel(ProjArgs a, const float *wts, int top_k, int rows, TA *out, const float *bias,
+                           int bias_stride, ScaleGrid g) {
+    gemv_combine_run<F8E4M3, TA, VW>(a, wts, top_k, rows, out, bias, bias_stride, g);
+}
+
 /* Launches gemv_combine_kernel (a.ids, a.num_ids <= GEMV_COMBINE_MAX, 16-byte rows: the caller checks)
- * with `rows` (<= GEMV_COMBINE_ROWS) output rows per block. */
+ * with `rows` (<= GEMV_COMBINE_ROWS) output rows per block; g: the down matrix's scales (fp8 only). */
 template <class TW, class TA>
 static cudaError_t gemv_combine_launch(const ProjArgs &a, const float *wts, int top_k, int rows, TA *out,
-                                       const float *bias, int bias_stride, cudaStream_t stream) {
+                                       const float *bias, int bias_stride, const ScaleGrid &g, cudaStream_t stream) {
     const dim3 grid((unsigned)((a.n + rows - 1) / rows));
-    return colibri_launch(gemv_combine_kernel<TW, TA, 16 / sizeof(TW)>, grid, GEMV_WARPS * 32, 0, stream, a, wts,
-                          top_k, rows, out, bias, bias_stride);
+    if constexpr (std::is_same<TW, F8E4M3>::value)
+        return colibri_launch(gemv_combine_f8_kernel<TA, 16>, grid, GEMV_WARPS * 32, 0, stream, a, wts, top_k, rows,
+                              out, bias, bias_stride, g);
+    else
+        return colibri_launch(gemv_combine_kernel<TW, TA, 16 / sizeof(TW)>, grid, GEMV_WARPS * 32, 0, stream, a, wts,
+                              top_k, rows, out, bias, bias_stride);
 }
 
 /* The router's launch split along K (gemv_launch_groups with splits > 1): gemv_kernel's group mode
@@ -393,17 +477,28 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>()
     for (int n = blockIdx.y * GEMV_WARPS + (threadIdx.x >> 5); n < a.n; n += gridDim.y * GEMV_WARPS) {
         const TW *w = reinterpret_cast<const TW *>(a.w) + (size_t)n * a.k;
         gemv_pass<TW, TX, TO, VW, ActLinear, GEMV_GROUP, U>(a, w, w, nullptr, p0, count, n, lane, kb, kl, out,
-                                                            must_wait, 0);
+                                                            must_wait, 0, NoScales{});
     }
 }
 
+/* gemv_kernel of MAXNT token rows, or for fp8 weights gemv_f8_kernel with the scales g. */
+template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
+static cudaError_t gemv_launch_one(const ProjArgs &a, dim3 grid, size_t smem, const ScaleGrid &g,
+                                   cudaStream_t stream) {
+    if constexpr (std::is_same<TW, F8E4M3>::value)
+        return colibri_launch(gemv_f8_kernel<TX, TO, VW, Act, MAXNT>, grid, GEMV_WARPS * 32, smem, stream, a, g);
+    else
+        return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, MAXNT>, grid, GEMV_WARPS * 32, smem, stream, a);
+}
+
 template <class TW, class TX, class TO, int VW, class Act>
-static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t smem, cudaStream_t stream) {
+static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t smem, const ScaleGrid &g,
+                                  cudaStream_t stream) {
     switch (tile) {
-    case 1: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 1>, grid, GEMV_WARPS * 32, smem, stream, a);
-    case 2: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 2>, grid, GEMV_WARPS * 32, smem, stream, a);
-    case 4: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 4>, grid, GEMV_WARPS * 32, smem, stream, a);
-    default: return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, 8>, grid, GEMV_WARPS * 32, smem, stream, a);
+    case 1: return gemv_launch_one<TW, TX, TO, VW, Act, 1>(a, grid, smem, g, stream);
+    case 2: return gemv_launch_one<TW, TX, TO, VW, Act, 2>(a, grid, smem, g, stream);
+    case 4: return gemv_launch_one<TW, TX, TO, VW, Act, 4>(a, grid, smem, g, stream);
+    default: return gemv_launch_one<TW, TX, TO, VW, Act, 8>(a, grid, smem, g, stream);
     }
 }
 
@@ -411,15 +506,16 @@ static cudaError_t gemv_launch_vw(const ProjArgs &a, dim3 grid, int tile, size_t
  * once). tile: 1, 2, 4 or 8, the most token rows per pass (and the tile_m permute.cu used, if any).
  * vec: K and every row start allow 16-byte loads of the weights (and the matching loads of x);
  * otherwise one element at a time (always the 8-row kernel: those shapes are small). row_blocks > 0:
- * at most that many blocks along the rows, each warp then looping over rows (0: a block per 8 rows). */
+ * at most that many blocks along the rows, each warp then looping over rows (0: a block per 8 rows).
+ * g: fp8 weights' scales (scale_block_k a multiple of 16 where vec), else unused. */
 template <class TW, class TX, class TO, class Act>
 static cudaError_t gemv_launch(const ProjArgs &a, int64_t slots, int tile, bool vec, int row_blocks,
-                               cudaStream_t stream) {
+                               const ScaleGrid &g, cudaStream_t stream) {
     const int groups = (a.n + GEMV_WARPS - 1) / GEMV_WARPS;
     const dim3 grid((unsigned)slots, (unsigned)(row_blocks > 0 && row_blocks < groups ? row_blocks : groups));
     const size_t smem = a.ids ? (size_t)a.num_experts * sizeof(int) : 0;
-    if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), Act>(a, grid, tile, smem, stream);
-    return colibri_launch(gemv_kernel<TW, TX, TO, 1, Act, GEMV_GROUP>, grid, GEMV_WARPS * 32, smem, stream, a);
+    if (vec) return gemv_launch_vw<TW, TX, TO, 16 / sizeof(TW), Act>(a, grid, tile, smem, g, stream);
+    return gemv_launch_one<TW, TX, TO, 1, Act, GEMV_GROUP>(a, grid, smem, g, stream);
 }
 
 /* The router's launch: no tiles, groups of GEMV_GROUP positions. splits > 1: that many blocks along K
