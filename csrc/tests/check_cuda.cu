@@ -3,7 +3,8 @@
  * expert kind x weight and activation dtype x T on fresh random inputs against float64 (errors normalised
  * by max|reference|, bounded per dtype; outputs poisoned with NaN first, non-finite fails), plus bitwise
  * determinism, graph replay, ids out of range, expert counters, chunking and back-to-back forwards, and
- * the layer features (feature_cases: logit bias, group limit, expert biases, SWIGLU_OAI, shared expert).
+ * the layer features (feature_cases: logit bias, group limit, expert biases, SWIGLU_OAI, shared expert)
+ * and fp8 weights (fp8_cases: block, channel and tensor scales, against the dequantised weights).
  * Shapes reach every kernel path: gemv, each tensor-core tile height, 128-row wgmma tiles and folds.
  *   make test-cuda      (--quick; CUDA_HARNESS_ARGS= runs all of it; exit status 0 only if all passed)
  *   COLIBRI_CHECK_ONLY=text runs the cases whose name contains text; COLIBRI_CUDA_NO_WS=1 (read by the
@@ -11,6 +12,7 @@
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,7 +62,7 @@ static void expect(bool ok, const char *what) {
 }
 
 static const char *dtype_name(colibri_dtype_t d) {
-    return d == COLIBRI_DTYPE_F32 ? "f32" : d == COLIBRI_DTYPE_F16 ? "f16" : "bf16";
+    return d == COLIBRI_DTYPE_F32 ? "f32" : d == COLIBRI_DTYPE_F16 ? "f16" : d == COLIBRI_DTYPE_BF16 ? "bf16" : "f8";
 }
 
 /* Rounds v to dtype d and stores it at buf[i]; returns the stored value as a double. */
@@ -83,15 +85,19 @@ static double get(const void *buf, colibri_dtype_t d, size_t i) {
     return 0;
 }
 
-/* Normalised error bound for the coarser of the two dtypes (bf16 keeps 8 bits, fp16 11). */
+/* Normalised error bound for the coarser of the two dtypes (bf16 keeps 8 bits, fp16 11). fp8 weights
+ * as bf16: their dequantised values are exact in the fp32 products, but inter and y are bf16. */
 static double limit_for(colibri_dtype_t w, colibri_dtype_t a) {
-    auto one = [](colibri_dtype_t d) { return d == COLIBRI_DTYPE_BF16 ? 2e-2 : d == COLIBRI_DTYPE_F16 ? 4e-3 : 2e-5; };
+    auto one = [](colibri_dtype_t d) {
+        return d == COLIBRI_DTYPE_BF16 || d == COLIBRI_DTYPE_F8E4M3 ? 2e-2 : d == COLIBRI_DTYPE_F16 ? 4e-3 : 2e-5;
+    };
     return std::max(one(w), one(a));
 }
 
 struct Shape {
     int E, k, H, F;
     bool router_bf16; /* router weights that bf16 holds exactly (a checkpoint's bf16 router, upcast) */
+    int bn = 0, bk = 0; /* fp8 weights: the scale blocks (colibri.h; 0 = the whole dimension) */
 };
 
 struct Layer {
@@ -100,10 +106,67 @@ struct Layer {
     colibri_dtype_t wdt;
     std::vector<char> packed;      /* host packed buffer with gaps between experts */
     std::vector<uint64_t> offsets;
-    std::vector<double> w;         /* [E, numel] the stored weights as doubles */
+    std::vector<double> w;         /* [E, numel] the stored weights as doubles; fp8: empty (expert_w) */
+    std::vector<float> scales;     /* fp8: [E, scales_numel] the scale grids */
     std::vector<float> router, bias;
-    uint64_t numel, total;
+    uint64_t numel, total, scales_numel = 0;
 };
+
+static int scale_blocks(int n, int block) { return block > 0 ? (n + block - 1) / block : 1; }
+
+/* e4m3 codes of u(-1, 1) * 400 on a grid of 2^16 points, one in 32 of u(-1, 1) / 32 instead (subnormals and
+ * small values): a random weight is a table entry, 4 per draw of the generator. */
+static const std::vector<uint8_t> &f8_table() {
+    static std::vector<uint8_t> t;
+    if (t.empty()) {
+        t.resize(1 << 16);
+        for (int i = 0; i < (1 << 16); i++) {
+            const double v = ((i >> 5) + 0.5) / 2048.0 * 2.0 - 1.0;
+            t[i] = __nv_cvt_float_to_fp8((float)((i & 31) ? v * 400.0 : v / 32.0), __NV_SATFINITE, __NV_E4M3);
+        }
+    }
+    return t;
+}
+static double f8_value(uint8_t q) { return __half2float(__half(__nv_cvt_fp8_to_halfraw(q, __NV_E4M3))); }
+
+/* fp8 weights of one [N, K] matrix at q and its scale grid at grid (blocks bn, bk): random e4m3 values
+ * times a random scale per block, about u(-1, 1) * 1.7 / sqrt(K) in all, like the other dtypes' weights. */
+static void put_f8_matrix(uint8_t *q, float *grid, int N, int K, int bn, int bk, std::mt19937_64 &rng) {
+    std::uniform_real_distribution<double> u(-0.7, 0.7);
+    const int rows = scale_blocks(N, bn), cols = scale_blocks(K, bk);
+    for (int i = 0; i < rows * cols; i++) grid[i] = (float)(1.7 / sqrt((double)K) / 400.0 * exp(u(rng)));
+    const std::vector<uint8_t> &t = f8_table();
+    uint64_t bits = 0;
+    for (size_t i = 0; i < (size_t)N * K; i++) {
+        if (i % 4 == 0) bits = rng();
+        q[i] = t[(bits >> (16 * (i % 4))) & 0xffff];
+    }
+}
+
+/* The scale of weight (n, c) of a matrix whose grid starts at grid: its block's. */
+static double f8_scale(const float *grid, int n, int c, int K, int bn, int bk) {
+    return grid[(bn > 0 ? n / bn : 0) * scale_blocks(K, bk) + (bk > 0 ? c / bk : 0)];
+}
+
+/* Expert e's weights as doubles (the dequantised ones for fp8, decoded into buf). */
+static const double *expert_w(const Layer &L, int e, std::vector<double> &buf) {
+    if (L.wdt != COLIBRI_DTYPE_F8E4M3) return &L.w[(size_t)e * L.numel];
+    buf.resize(L.numel);
+    const uint8_t *q = (const uint8_t *)L.packed.data() + L.offsets[e];
+    const float *grid = &L.scales[(size_t)e * L.scales_numel];
+    const int H = L.s.H, F = L.s.F, bn = L.s.bn, bk = L.s.bk;
+    const size_t first = (size_t)scale_blocks(F, bn) * scale_blocks(H, bk);
+    const int mats = L.kind == COLIBRI_EXPERT_SWIGLU ? 3 : 1;
+    for (int m = 0; m < mats; m++) {
+        const int N = m < 2 ? F : H, K = m < 2 ? H : F;
+        const size_t at = (size_t)m * F * H;
+        for (int n = 0; n < N; n++)
+            for (int c = 0; c < K; c++)
+                buf[at + (size_t)n * K + c] =
+                    f8_value(q[at + (size_t)n * K + c]) * f8_scale(grid + m * first, n, c, K, bn, bk);
+    }
+    return buf.data();
+}
 
 static Layer make_layer(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, std::mt19937_64 &rng) {
     Layer L;
@@ -114,14 +177,29 @@ static Layer make_layer(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt
     const uint64_t gap = 3;
     L.total = (L.numel + gap) * s.E;
     L.packed.assign(L.total * colibri_dtype_size(wdt), 0);
-    L.w.resize(L.numel * s.E);
     std::uniform_real_distribution<double> u(-1.0, 1.0);
-    for (int e = 0; e < s.E; e++) {
-        L.offsets.push_back((uint64_t)e * (L.numel + gap) + (e % 2));
-        for (uint64_t i = 0; i < L.numel; i++) {
-            /* gate/up/linear rows have H inputs, down rows F */
-            const double fan = (kind == COLIBRI_EXPERT_SWIGLU && i >= 2ull * s.H * s.F) ? s.F : s.H;
-            L.w[e * L.numel + i] = put(L.packed.data(), wdt, L.offsets[e] + i, u(rng) * 1.7 / sqrt(fan));
+    if (wdt == COLIBRI_DTYPE_F8E4M3) {
+        /* gate [F, H], up [F, H], down [H, F] (or w [F, H]), each with its grid */
+        L.scales_numel = colibri_scales_numel(kind, s.H, s.F, s.bn, s.bk);
+        L.scales.resize(L.scales_numel * s.E);
+        const size_t first = (size_t)scale_blocks(s.F, s.bn) * scale_blocks(s.H, s.bk);
+        for (int e = 0; e < s.E; e++) {
+            L.offsets.push_back((uint64_t)e * (L.numel + gap) + (e % 2));
+            uint8_t *q = (uint8_t *)L.packed.data() + L.offsets[e];
+            float *grid = &L.scales[(size_t)e * L.scales_numel];
+            for (int m = 0; m < (kind == COLIBRI_EXPERT_SWIGLU ? 3 : 1); m++)
+                put_f8_matrix(q + (size_t)m * s.F * s.H, grid + m * first, m < 2 ? s.F : s.H, m < 2 ? s.H : s.F, s.bn,
+                              s.bk, rng);
+        }
+    } else {
+        L.w.resize(L.numel * s.E);
+        for (int e = 0; e < s.E; e++) {
+            L.offsets.push_back((uint64_t)e * (L.numel + gap) + (e % 2));
+            for (uint64_t i = 0; i < L.numel; i++) {
+                /* gate/up/linear rows have H inputs, down rows F */
+                const double fan = (kind == COLIBRI_EXPERT_SWIGLU && i >= 2ull * s.H * s.F) ? s.F : s.H;
+                L.w[e * L.numel + i] = put(L.packed.data(), wdt, L.offsets[e] + i, u(rng) * 1.7 / sqrt(fan));
+            }
         }
     }
     L.router.resize((size_t)s.E * s.H);
@@ -143,12 +221,12 @@ static std::vector<double> ref_forward(const Layer &L, const std::vector<double>
     std::vector<double> out((size_t)T * O, 0.0);
 #pragma omp parallel for schedule(dynamic, 4)
     for (int t = 0; t < T; t++) {
-        std::vector<double> h(F), y(O);
+        std::vector<double> h(F), y(O), wbuf;
         const double *xt = &x[(size_t)t * H];
         for (int j = 0; j < k; j++) {
             const int e = ids[(size_t)t * k + j];
             if (e < 0 || e >= L.s.E) continue;
-            const double *we = &L.w[(size_t)e * L.numel];
+            const double *we = expert_w(L, e, wbuf);
             if (L.kind == COLIBRI_EXPERT_SWIGLU) {
                 for (int f = 0; f < F; f++) {
                     double g = 0, u = 0;
@@ -270,14 +348,32 @@ enum { GIVEN = -1, CUSTOM = -2, COUNTS = -3 /* given ids with these rows per exp
 struct Worst {
     double err = 0, ratio = 0;
 };
-static Worst worst[3][3];
+static Worst worst[4][3]; /* [weight dtype (fp8 = 3)][act dtype] */
+
+/* The weights of L for colibri_moe_context_create (routed experts, fp8 scales; the caller adds the rest). */
+static colibri_moe_weights_t layer_weights(const Layer &L) {
+    colibri_moe_weights_t w = {};
+    w.expert_weights = L.packed.data();
+    w.expert_offsets = L.offsets.data();
+    w.expert_weights_numel = L.total;
+    w.expert_scales = L.wdt == COLIBRI_DTYPE_F8E4M3 ? L.scales.data() : nullptr;
+    return w;
+}
+
+/* " blocks=bn,bk" for fp8 weights (a case's name), else "" */
+static const char *blocks_name(colibri_dtype_t wdt, const Shape &s) {
+    static thread_local char b[40];
+    b[0] = 0;
+    if (wdt == COLIBRI_DTYPE_F8E4M3) snprintf(b, sizeof b, " blocks=%d,%d", s.bn, s.bk);
+    return b;
+}
 
 static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, colibri_dtype_t adt, int routing,
                      int renorm, int T, int workspace, std::mt19937_64 &rng, const std::vector<int> *per_expert = nullptr) {
-    char name[200];
-    snprintf(name, sizeof name, "E=%d k=%d H=%d F=%d %s w=%s a=%s routing=%d renorm=%d T=%d ws=%d", s.E, s.k, s.H, s.F,
-             kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", dtype_name(wdt), dtype_name(adt), routing, renorm, T,
-             workspace);
+    char name[240];
+    snprintf(name, sizeof name, "E=%d k=%d H=%d F=%d %s w=%s%s a=%s routing=%d renorm=%d T=%d ws=%d", s.E, s.k, s.H,
+             s.F, kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", dtype_name(wdt), blocks_name(wdt, s),
+             dtype_name(adt), routing, renorm, T, workspace);
     if (case_skipped(name)) return;
     if (routing == COUNTS) {
         int sum = 0;
@@ -302,11 +398,15 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     cfg.routed_scaling_factor = (float)scale;
     cfg.workspace_tokens = workspace;
     cfg.device = COLIBRI_DEVICE_CUDA;
+    cfg.scale_block_n = s.bn;
+    cfg.scale_block_k = s.bk;
     if (routing == CUSTOM) cfg.routing_fn = simple_routing_fn;
     colibri_moe_context_t *ctx = nullptr;
     const bool given = routing == GIVEN || routing == COUNTS;
-    COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total,
-                                    given ? nullptr : L.router.data(), L.bias.data()));
+    colibri_moe_weights_t wt = layer_weights(L);
+    wt.router_weight = given ? nullptr : L.router.data();
+    wt.router_bias = cfg.routing == COLIBRI_ROUTING_SIGMOID_BIAS ? L.bias.data() : nullptr;
+    COL_OK(colibri_moe_context_create(&ctx, &cfg, &wt));
 
     const size_t asz = colibri_dtype_size(adt);
     std::vector<char> hin((size_t)T * H * asz);
@@ -430,7 +530,7 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     cudaFree(d.out2);
     cudaFree(d.ids);
     cudaFree(d.wts);
-    printf("ok   %-90s err %.3g (limit %.3g)\n", name, err, lim);
+    printf("ok   %-100s err %.3g (limit %.3g)\n", name, err, lim);
     fflush(stdout);
 }
 
@@ -439,8 +539,8 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
  * forward runs inside; NULL, and nothing made, where COLIBRI_CHECK_ONLY skips the case. */
 static colibri_moe_context_t *routed_case(const char *what, Shape s, colibri_dtype_t wdt, colibri_dtype_t adt, int T,
                                           std::mt19937_64 &rng, char (&name)[160], Layer &L) {
-    snprintf(name, sizeof name, "%s E=%d k=%d H=%d F=%d w=%s a=%s T=%d", what, s.E, s.k, s.H, s.F, dtype_name(wdt),
-             dtype_name(adt), T);
+    snprintf(name, sizeof name, "%s E=%d k=%d H=%d F=%d w=%s%s a=%s T=%d", what, s.E, s.k, s.H, s.F, dtype_name(wdt),
+             blocks_name(wdt, s), dtype_name(adt), T);
     if (case_skipped(name)) return nullptr;
     L = make_layer(s, COLIBRI_EXPERT_SWIGLU, wdt, rng);
     colibri_moe_config_t cfg = {};
@@ -454,8 +554,12 @@ static colibri_moe_context_t *routed_case(const char *what, Shape s, colibri_dty
     cfg.renormalize = 1;
     cfg.routed_scaling_factor = 1.0f;
     cfg.device = COLIBRI_DEVICE_CUDA;
+    cfg.scale_block_n = s.bn;
+    cfg.scale_block_k = s.bk;
     colibri_moe_context_t *ctx = nullptr;
-    COL_OK(colibri_moe_context_init(&ctx, &cfg, L.packed.data(), L.offsets.data(), L.total, L.router.data(), nullptr));
+    colibri_moe_weights_t wt = layer_weights(L);
+    wt.router_weight = L.router.data();
+    COL_OK(colibri_moe_context_create(&ctx, &cfg, &wt));
     return ctx;
 }
 
@@ -625,7 +729,8 @@ struct FeatLayer {
     int bias_numel = 0;
     std::vector<float> logit_bias, ebias, sgate; /* as given to the library */
     std::vector<char> shared;                     /* gate [Fs, H], up [Fs, H], down [H, Fs], weight dtype */
-    std::vector<double> sw;                       /* the same as doubles */
+    std::vector<double> sw;                       /* the same as doubles (fp8: dequantised) */
+    std::vector<float> sscales;                   /* fp8: the shared expert's gate, up and down grids */
     float alpha = 1.702f, limit = 0.8f;           /* a limit that clamps many gate and up sums */
 };
 
@@ -648,9 +753,25 @@ static FeatLayer make_feat_layer(Shape s, colibri_expert_kind_t kind, colibri_dt
         const size_t n = 3 * (size_t)f.Fs * s.H;
         X.shared.assign(n * colibri_dtype_size(wdt), 0);
         X.sw.resize(n);
-        for (size_t i = 0; i < n; i++) {
-            const double fan = i >= 2 * (size_t)f.Fs * s.H ? f.Fs : s.H;
-            X.sw[i] = put(X.shared.data(), wdt, i, u(rng) * 1.7 / sqrt(fan));
+        if (wdt == COLIBRI_DTYPE_F8E4M3) {
+            X.sscales.resize(colibri_scales_numel(COLIBRI_EXPERT_SWIGLU, s.H, f.Fs, s.bn, s.bk));
+            const size_t first = (size_t)scale_blocks(f.Fs, s.bn) * scale_blocks(s.H, s.bk);
+            uint8_t *q = (uint8_t *)X.shared.data();
+            for (int m = 0; m < 3; m++) {
+                const int N = m < 2 ? f.Fs : s.H, K = m < 2 ? s.H : f.Fs;
+                const size_t at = (size_t)m * f.Fs * s.H;
+                float *grid = X.sscales.data() + m * first;
+                put_f8_matrix(q + at, grid, N, K, s.bn, s.bk, rng);
+                for (int r = 0; r < N; r++)
+                    for (int c = 0; c < K; c++)
+                        X.sw[at + (size_t)r * K + c] =
+                            f8_value(q[at + (size_t)r * K + c]) * f8_scale(grid, r, c, K, s.bn, s.bk);
+            }
+        } else {
+            for (size_t i = 0; i < n; i++) {
+                const double fan = i >= 2 * (size_t)f.Fs * s.H ? f.Fs : s.H;
+                X.sw[i] = put(X.shared.data(), wdt, i, u(rng) * 1.7 / sqrt(fan));
+            }
         }
         if (f.sgate) {
             X.sgate.resize(s.H);
@@ -675,12 +796,12 @@ static std::vector<double> ref_forward_feat(const FeatLayer &X, const std::vecto
     std::vector<double> out((size_t)T * O, 0.0);
 #pragma omp parallel for schedule(dynamic, 4)
     for (int t = 0; t < T; t++) {
-        std::vector<double> h(std::max(F, Fs)), y(O);
+        std::vector<double> h(std::max(F, Fs)), y(O), wbuf;
         const double *xt = &x[(size_t)t * H];
         for (int j = 0; j < k; j++) {
             const int e = ids[(size_t)t * k + j];
             if (e < 0 || e >= L.s.E) continue;
-            const double *we = &L.w[(size_t)e * L.numel];
+            const double *we = expert_w(L, e, wbuf);
             const float *b = X.ebias.empty() ? nullptr : &X.ebias[(size_t)e * X.bias_numel];
             if (L.kind == COLIBRI_EXPERT_SWIGLU) {
                 for (int f = 0; f < F; f++) {
@@ -793,11 +914,11 @@ static RouteRef ref_route_feat(const FeatLayer &X, const std::vector<double> &x,
  * token's output row only. routing GIVEN: random distinct ids. */
 static void feature_case(const char *tag, Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt,
                          colibri_dtype_t adt, int routing, int renorm, int T, const Feat &f, std::mt19937_64 &rng) {
-    char name[240];
-    snprintf(name, sizeof name, "feature %s E=%d k=%d H=%d F=%d %s w=%s a=%s routing=%d T=%d groups=%d/%d lbias=%d "
+    char name[280];
+    snprintf(name, sizeof name, "feature %s E=%d k=%d H=%d F=%d %s w=%s%s a=%s routing=%d T=%d groups=%d/%d lbias=%d "
              "oai=%d ebias=%d Fs=%d sgate=%d", tag, s.E, s.k, s.H, s.F, kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear",
-             dtype_name(wdt), dtype_name(adt), routing, T, f.n_group, f.topk_group, f.logit_bias, f.oai, f.ebias, f.Fs,
-             f.sgate);
+             dtype_name(wdt), blocks_name(wdt, s), dtype_name(adt), routing, T, f.n_group, f.topk_group, f.logit_bias,
+             f.oai, f.ebias, f.Fs, f.sgate);
     if (case_skipped(name)) return;
     FeatLayer X = make_feat_layer(s, kind, wdt, f, rng);
     const Layer &L = X.L;
@@ -824,10 +945,10 @@ static void feature_case(const char *tag, Shape s, colibri_expert_kind_t kind, c
     cfg.expert_bias = f.ebias;
     cfg.shared_intermediate_size = f.Fs;
     cfg.shared_gate = f.sgate;
-    colibri_moe_weights_t wt = {};
-    wt.expert_weights = L.packed.data();
-    wt.expert_offsets = L.offsets.data();
-    wt.expert_weights_numel = L.total;
+    cfg.scale_block_n = s.bn;
+    cfg.scale_block_k = s.bk;
+    colibri_moe_weights_t wt = layer_weights(L);
+    wt.shared_scales = X.sscales.empty() ? nullptr : X.sscales.data();
     wt.expert_bias = f.ebias ? X.ebias.data() : nullptr;
     wt.router_weight = given ? nullptr : L.router.data();
     wt.router_logit_bias = f.logit_bias && !given ? X.logit_bias.data() : nullptr;
@@ -1029,6 +1150,93 @@ static void feature_cases(bool quick, std::mt19937_64 &rng) {
                  COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 7, qs, rng);
 }
 
+/* fp8 e4m3 weights with their scale grids (DeepSeek's 128 x 128 blocks, per output channel, per tensor, small
+ * blocks) against the float64 forward of the dequantised weights, at the bf16 limit (inter and y are bf16).
+ * Partial blocks (H = 320: 2.5 blocks of 128, F = 192: 1.5); T from decode (direct mode, the down
+ * projection with the combine folded in) to 4096 (the permuted tiles); every activation dtype; scalar rows
+ * (H, F not multiples of 16); the layer features, a shared expert and a DeepSeek-V3-like layer; graph
+ * replay, ids out of range, back-to-back forwards. */
+static void fp8_cases(bool quick, std::mt19937_64 &rng) {
+    const colibri_dtype_t f8 = COLIBRI_DTYPE_F8E4M3, bf16 = COLIBRI_DTYPE_BF16;
+    const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16};
+    const int blocks[4][2] = {{128, 128}, {1, 0}, {0, 0}, {16, 64}};
+    const int routings[6][2] = {{GIVEN, 0}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 1}, {COLIBRI_ROUTING_SOFTMAX_TOPK, 0},
+                                {COLIBRI_ROUTING_TOPK_SOFTMAX, 0}, {COLIBRI_ROUTING_SIGMOID_BIAS, 1}, {CUSTOM, 0}};
+    const std::vector<int> Ts = quick ? std::vector<int>{1, 7, 64} : std::vector<int>{1, 2, 7, 32, 64, 128, 513, 4096};
+    int r = 0;
+    for (const auto &b : blocks)
+        for (int kind = 0; kind < 2; kind++)
+            for (colibri_dtype_t a : dts)
+                for (int T : Ts) {
+                    if (quick && (a != bf16 || kind)) continue;
+                    Shape s = {8, 2, 320, 192, false, b[0], b[1]};
+                    r = (r + 1) % 6;
+                    run_case(s, (colibri_expert_kind_t)kind, f8, a, routings[r][0], routings[r][1], T, 0, rng);
+                }
+    /* scalar rows: H = 36 (3 blocks of 16, the last partial), F = 20 */
+    for (const auto &b : {std::make_pair(16, 16), std::make_pair(1, 0)})
+        for (int T : {1, 7, 64}) {
+            if (quick && T == 64) continue;
+            run_case({5, 3, 36, 20, false, b.first, b.second}, COLIBRI_EXPERT_SWIGLU, f8, bf16,
+                     COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, 0, rng);
+        }
+    /* decode of 16-byte rows (T = 1, 2: the down projection sums the top-k; 7: direct mode; 64: tiles),
+     * 64 experts from 8 tokens to 512, and chunks of 200 tokens */
+    const Shape decode = {8, 4, 1024, 1408, false, 128, 128}, wide = {64, 6, 256, 128, false, 128, 128};
+    for (int T : {1, 2, 7, 64}) {
+        if (quick && T > 2) continue;
+        run_case(decode, COLIBRI_EXPERT_SWIGLU, f8, bf16, routings[T % 2][0], routings[T % 2][1], T, 0, rng);
+        run_case(wide, COLIBRI_EXPERT_SWIGLU, f8, COLIBRI_DTYPE_F16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T * 8, 0, rng);
+    }
+    run_case(wide, COLIBRI_EXPERT_SWIGLU, f8, bf16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, quick ? 513 : 4096, 200, rng);
+    const Shape aligned = {8, 2, 320, 192, false, 128, 128};
+    for (int T : {1, 7, 513}) {
+        if (quick && T == 513) continue;
+        graph_and_bad_ids(aligned, f8, bf16, T, rng);
+    }
+    for (int T : {1, 4, 7}) back_to_back(aligned, f8, bf16, T, rng);
+    back_to_back(decode, f8, bf16, 1, rng);
+
+    /* the layer features with fp8 weights: gpt-oss's (logit bias, clamped SwiGLU, expert biases), LINEAR
+     * with biases, shared experts (Qwen2-like: Fs = 2.5 F, three slices cut on 64-row blocks; DeepSeek-like) */
+    Feat oss;
+    oss.logit_bias = oss.oai = oss.ebias = true;
+    Feat lin;
+    lin.logit_bias = lin.ebias = true;
+    Feat qs;
+    qs.Fs = 160;
+    qs.sgate = true;
+    Feat ds;
+    ds.n_group = 8;
+    ds.topk_group = 4;
+    ds.gscore = COLIBRI_GROUP_SCORE_TOP2_SUM;
+    Feat dss = ds;
+    dss.Fs = 64;
+    const std::vector<int> fTs = quick ? std::vector<int>{1, 64} : std::vector<int>{1, 7, 64, 513, 4096};
+    for (int T : fTs) {
+        const colibri_dtype_t a = T % 2 ? bf16 : COLIBRI_DTYPE_F32;
+        feature_case("gpt-oss", {32, 4, 256, 192, false, 128, 128}, COLIBRI_EXPERT_SWIGLU, f8, a,
+                     COLIBRI_ROUTING_TOPK_SOFTMAX, 0, T, oss, rng);
+        feature_case("linear-bias", {8, 2, 136, 96, false, 1, 0}, COLIBRI_EXPERT_LINEAR, f8, a,
+                     COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, lin, rng);
+        feature_case("qwen2-shared", {16, 4, 128, 64, false, 64, 64}, COLIBRI_EXPERT_SWIGLU, f8, a,
+                     COLIBRI_ROUTING_SOFTMAX_TOPK, 0, T, qs, rng);
+        feature_case("qwen2-shared", {16, 4, 128, 64, false, 1, 0}, COLIBRI_EXPERT_SWIGLU, f8, a,
+                     COLIBRI_ROUTING_SOFTMAX_TOPK, 0, T, qs, rng);
+        feature_case("deepseek-shared", {256, 8, 128, 64, false, 128, 128}, COLIBRI_EXPERT_SWIGLU, f8, bf16,
+                     COLIBRI_ROUTING_SIGMOID_BIAS, 1, T, dss, rng);
+    }
+    /* DeepSeek-V3-like: 256 experts of F = 2048 in 8 groups (4 kept, top-2 sums), sigmoid scores with the
+     * correction, 128 x 128 blocks, a shared expert of 2048; H = 256 keeps the host reference quick */
+    Feat v3 = ds;
+    v3.Fs = 2048;
+    for (int T : {1, 4, 16, 64}) {
+        if (quick && T > 4) continue;
+        feature_case("deepseek-v3", {256, 8, 256, 2048, false, 128, 128}, COLIBRI_EXPERT_SWIGLU, f8, bf16,
+                     COLIBRI_ROUTING_SIGMOID_BIAS, 1, T, v3, rng);
+    }
+}
+
 int main(int argc, char **argv) {
     const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
     if (!colibri_cuda_built() || colibri_cuda_device_count() < 1) {
@@ -1186,9 +1394,10 @@ int main(int argc, char **argv) {
     for (int T : {1, 2}) back_to_back(tall_odd, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, T, rng);
 
     feature_cases(quick, rng);
+    fp8_cases(quick, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
-    for (colibri_dtype_t w : dts)
+    for (colibri_dtype_t w : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F8E4M3})
         for (colibri_dtype_t a : dts)
             if (worst[w][a].ratio > 0)
                 printf("  w=%-4s a=%-4s %.3g (%.2f)\n", dtype_name(w), dtype_name(a), worst[w][a].err, worst[w][a].ratio);
