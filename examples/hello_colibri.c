@@ -218,10 +218,11 @@ typedef struct {
 } tensor_t;
 
 typedef struct {
-    tensor_t experts, router, router_bias;
+    tensor_t experts, router, router_bias, expert_scales;
     char format[TEXT_CAP], expert_kind[TEXT_CAP], num_experts[TEXT_CAP], top_k[TEXT_CAP];
     char hidden_size[TEXT_CAP], intermediate_size[TEXT_CAP], routing[TEXT_CAP], renormalize[TEXT_CAP];
     char routed_scaling_factor[TEXT_CAP], n_group[TEXT_CAP], activation[TEXT_CAP];
+    char scale_block_n[TEXT_CAP], scale_block_k[TEXT_CAP]; /* version 3, fp8 experts */
     char other_tensor[TEXT_CAP]; /* the first tensor this example cannot compute, if any */
 } header_t;
 
@@ -275,6 +276,7 @@ static int parse_metadata(json_t *j, header_t *h)
         {"top_k", h->top_k}, {"hidden_size", h->hidden_size}, {"intermediate_size", h->intermediate_size},
         {"routing", h->routing}, {"renormalize", h->renormalize},
         {"routed_scaling_factor", h->routed_scaling_factor}, {"n_group", h->n_group}, {"activation", h->activation},
+        {"scale_block_n", h->scale_block_n}, {"scale_block_k", h->scale_block_k},
     };
     char key[TEXT_CAP];
     size_t i;
@@ -315,6 +317,8 @@ static int parse_header(const char *text, size_t size, header_t *h)
                 ok = parse_tensor(&j, name, &h->router);
             else if (strcmp(name, "router_bias") == 0)
                 ok = parse_tensor(&j, name, &h->router_bias);
+            else if (strcmp(name, "expert_scales") == 0)
+                ok = parse_tensor(&j, name, &h->expert_scales);
             else {
                 /* expert biases, a shared expert, a router logit bias: noted, and refused below */
                 if (!h->other_tensor[0])
@@ -330,6 +334,20 @@ static int parse_header(const char *text, size_t size, header_t *h)
     json_space(&j); /* the header may be padded with spaces */
     if (j.p != j.end)
         return fail("header: unexpected bytes after the JSON object");
+    return 1;
+}
+
+/* A scale block (fp8): an integer in [0, 2^31), 0 meaning the whole dimension. */
+static int setting_block(const char *key, const char *text, int32_t *out)
+{
+    char *rest;
+    long value;
+    if (!text[0])
+        return fail("metadata: '%s' is missing (fp8 experts need their scale block)", key);
+    value = strtol(text, &rest, 10);
+    if (*rest || value < 0 || value > INT32_MAX)
+        return fail("metadata: %s='%s' is not an integer >= 0", key, text);
+    *out = (int32_t)value;
     return 1;
 }
 
@@ -353,10 +371,12 @@ static size_t dtype_bytes(const char *dtype)
         return 4;
     if (strcmp(dtype, "F16") == 0 || strcmp(dtype, "BF16") == 0)
         return 2;
+    if (strcmp(dtype, "F8_E4M3") == 0)
+        return 1;
     return 0;
 }
 
-/* Checks that tensor `t` has the expected dtype (NULL: F32, F16 or BF16) and shape, and that its
+/* Checks that tensor `t` has the expected dtype (NULL: F32, F16, BF16 or F8_E4M3) and shape, and that its
  * bytes lie inside the file's data. */
 static int check_tensor(const char *name, const tensor_t *t, const char *dtype, int ndim,
                         const uint64_t *shape, uint64_t data_bytes)
@@ -365,7 +385,7 @@ static int check_tensor(const char *name, const tensor_t *t, const char *dtype, 
     uint64_t numel = 1;
     int d;
     if (elem == 0 || (dtype && strcmp(t->dtype, dtype) != 0))
-        return fail("tensor '%s': dtype %s, expected %s", name, t->dtype, dtype ? dtype : "F32, F16 or BF16");
+        return fail("tensor '%s': dtype %s, expected %s", name, t->dtype, dtype ? dtype : "F32, F16, BF16 or F8_E4M3");
     if (t->ndim != ndim)
         return fail("tensor '%s': %d dimensions, expected %d", name, t->ndim, ndim);
     for (d = 0; d < ndim; d++) {
@@ -410,6 +430,7 @@ typedef struct {
     void *experts;      /* [E, expert numel] in config.weight_dtype */
     float *router;      /* [E, H] */
     float *router_bias; /* [E] or NULL */
+    float *scales;      /* fp8 experts: [E, colibri_scales_numel] scale grids, else NULL */
     uint64_t experts_numel;
 } checkpoint_t;
 
@@ -418,6 +439,7 @@ static void checkpoint_free(checkpoint_t *c)
     free(c->experts);
     free(c->router);
     free(c->router_bias);
+    free(c->scales);
     memset(c, 0, sizeof *c);
 }
 
@@ -451,8 +473,9 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
         return 0;
 
     /* The layer's settings, as the Python reader (backend_src/colibri/checkpoint.py) takes them. */
-    if (strcmp(h.format, "colibri-moe/1") != 0 && strcmp(h.format, "colibri-moe/2") != 0)
-        return fail("metadata format is '%s', expected 'colibri-moe/1' or 'colibri-moe/2' (pack a Hugging Face "
+    if (strcmp(h.format, "colibri-moe/1") != 0 && strcmp(h.format, "colibri-moe/2") != 0 &&
+        strcmp(h.format, "colibri-moe/3") != 0)
+        return fail("metadata format is '%s', expected 'colibri-moe/1', '/2' or '/3' (pack a Hugging Face "
                     "checkpoint with `python -m colibri pack`)", h.format);
     /* This example has no group-limited routing or other activations (colibri_moe_context_create has). */
     if ((h.n_group[0] && strcmp(h.n_group, "1") != 0) || (h.activation[0] && strcmp(h.activation, "silu") != 0))
@@ -478,9 +501,9 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
         cfg->routing = COLIBRI_ROUTING_SIGMOID_BIAS;
     else
         return fail("metadata: routing='%s' is not softmax_topk, topk_softmax or sigmoid_bias", h.routing);
-    /* colibri_moe_context_init uses router_bias for sigmoid_bias routing only; in a version-2 file it
+    /* colibri_moe_context_init uses router_bias for sigmoid_bias routing only; from version 2 on it
      * corrects the selection under any routing. */
-    if (strcmp(h.format, "colibri-moe/2") == 0 && h.router_bias.present && cfg->routing != COLIBRI_ROUTING_SIGMOID_BIAS)
+    if (strcmp(h.format, "colibri-moe/1") != 0 && h.router_bias.present && cfg->routing != COLIBRI_ROUTING_SIGMOID_BIAS)
         return fail("tensor 'router_bias' with routing '%s': this example uses it with sigmoid_bias only", h.routing);
     if (strcmp(h.renormalize, "true") == 0 || strcmp(h.renormalize, "1") == 0)
         cfg->renormalize = 1;
@@ -498,6 +521,8 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
     expert_numel = colibri_expert_numel(cfg->expert_kind, cfg->hidden_size, cfg->intermediate_size);
     if (!h.experts.present)
         return fail("no 'experts' tensor");
+    if (strcmp(h.experts.dtype, "F8_E4M3") == 0 && !h.expert_scales.present)
+        return fail("fp8 experts without an 'expert_scales' tensor");
     if (!h.router.present)
         return fail("no 'router' tensor: this example routes with the checkpoint's router (without one, "
                     "pass topk_ids and topk_weights to colibri_moe_forward)");
@@ -513,8 +538,26 @@ static int checkpoint_read_file(FILE *file, checkpoint_t *c)
             !check_tensor("router", &h.router, "F32", 2, router_shape, data_bytes) ||
             (h.router_bias.present && !check_tensor("router_bias", &h.router_bias, "F32", 1, router_shape, data_bytes)))
             return 0;
-        cfg->weight_dtype = strcmp(h.experts.dtype, "F32") == 0 ? COLIBRI_DTYPE_F32
-                          : strcmp(h.experts.dtype, "F16") == 0 ? COLIBRI_DTYPE_F16 : COLIBRI_DTYPE_BF16;
+        cfg->weight_dtype = strcmp(h.experts.dtype, "F32") == 0   ? COLIBRI_DTYPE_F32
+                          : strcmp(h.experts.dtype, "F16") == 0   ? COLIBRI_DTYPE_F16
+                          : strcmp(h.experts.dtype, "BF16") == 0  ? COLIBRI_DTYPE_BF16
+                                                                  : COLIBRI_DTYPE_F8E4M3;
+        /* fp8 experts come with their scale grids (colibri.h): dequantised weight = code value * scale */
+        if (cfg->weight_dtype == COLIBRI_DTYPE_F8E4M3) {
+            uint64_t scales_shape[2] = {(uint64_t)cfg->num_experts, 0};
+            if (!setting_block("scale_block_n", h.scale_block_n, &cfg->scale_block_n) ||
+                !setting_block("scale_block_k", h.scale_block_k, &cfg->scale_block_k))
+                return 0;
+            scales_shape[1] = colibri_scales_numel(cfg->expert_kind, cfg->hidden_size, cfg->intermediate_size,
+                                                   cfg->scale_block_n, cfg->scale_block_k);
+            if (!check_tensor("expert_scales", &h.expert_scales, "F32", 2, scales_shape, data_bytes))
+                return 0;
+            c->scales = read_tensor(file, 8 + header_len, &h.expert_scales, "expert_scales");
+            if (!c->scales)
+                return 0;
+        } else if (h.expert_scales.present) {
+            return fail("tensor 'expert_scales' beside %s experts: scales belong to fp8 experts", h.experts.dtype);
+        }
         c->experts_numel = (uint64_t)cfg->num_experts * expert_numel;
         c->experts = read_tensor(file, 8 + header_len, &h.experts, "experts");
         c->router = read_tensor(file, 8 + header_len, &h.router, "router");
@@ -659,7 +702,8 @@ int main(int argc, char **argv)
            ckpt.config.expert_kind == COLIBRI_EXPERT_SWIGLU ? "swiglu" : "linear", (int)ckpt.config.num_experts,
            (int)ckpt.config.top_k, (int)ckpt.config.hidden_size, (int)ckpt.config.intermediate_size,
            ckpt.config.weight_dtype == COLIBRI_DTYPE_F32 ? "fp32" :
-           ckpt.config.weight_dtype == COLIBRI_DTYPE_F16 ? "fp16" : "bf16");
+           ckpt.config.weight_dtype == COLIBRI_DTYPE_F16 ? "fp16" :
+           ckpt.config.weight_dtype == COLIBRI_DTYPE_BF16 ? "bf16" : "fp8 e4m3");
 
     /* 2. The device. A CUDA library still runs on the CPU; a CPU-only one says so for --device cuda. */
     ckpt.config.device = COLIBRI_DEVICE_CPU;
@@ -689,11 +733,23 @@ int main(int argc, char **argv)
         }
         for (a = 0; a < E; a++)
             offsets[a] = (uint64_t)a * per_expert;
-        status = colibri_moe_context_init(&ctx, &ckpt.config, ckpt.experts, offsets, ckpt.experts_numel,
-                                          ckpt.router, ckpt.router_bias);
+        if (ckpt.scales) { /* fp8: only colibri_moe_context_create takes the scale grids */
+            colibri_moe_weights_t weights;
+            memset(&weights, 0, sizeof weights);
+            weights.expert_weights = ckpt.experts;
+            weights.expert_offsets = offsets;
+            weights.expert_weights_numel = ckpt.experts_numel;
+            weights.router_weight = ckpt.router;
+            weights.router_bias = ckpt.router_bias;
+            weights.expert_scales = ckpt.scales;
+            status = colibri_moe_context_create(&ctx, &ckpt.config, &weights);
+        } else {
+            status = colibri_moe_context_init(&ctx, &ckpt.config, ckpt.experts, offsets, ckpt.experts_numel,
+                                              ckpt.router, ckpt.router_bias);
+        }
         free(offsets); /* read during init only */
         if (status != COLIBRI_OK) {
-            fail_status("colibri_moe_context_init", status);
+            fail_status(ckpt.scales ? "colibri_moe_context_create" : "colibri_moe_context_init", status);
             goto done;
         }
     }

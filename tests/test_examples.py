@@ -53,7 +53,9 @@ def test_example_input_matches_its_definition():
 
 
 @pytest.mark.parametrize("kind,dtype,routing", [("swiglu", "bf16", "softmax_topk"), ("swiglu", "fp32", "sigmoid_bias"),
-                                                ("linear", "fp16", "topk_softmax")])
+                                                ("linear", "fp16", "topk_softmax"),
+                                                ("swiglu", "fp8_e4m3", "softmax_topk"),
+                                                ("linear", "fp8_e4m3", "sigmoid_bias")])
 def test_hello_matches_moelayer_and_reference(hello, tmp_path, kind, dtype, routing):
     path = tmp_path / "w.colibri.safetensors"
     config = checkpoint.write_demo(path, experts=6, top_k=2, hidden=48, intermediate=80, dtype=dtype, seed=3,
@@ -77,7 +79,7 @@ def test_hello_matches_moelayer_and_reference(hello, tmp_path, kind, dtype, rout
     ids, _ = layer.route(x)
     logits = reference.router_logits(x, ckpt.router)
     weights = reference.routing_weights(ckpt.config, logits, ids)
-    ref = reference.moe_forward(ckpt.config, ckpt.experts, x, ids, weights)
+    ref = reference.moe_forward(ckpt.config, ckpt.experts, x, ids, weights, expert_scales=ckpt.expert_scales)
     np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
 
     checksum = re.search(r"^checksum: sum (\S+), sum of \|x\| (\S+)$", result.stdout, re.M)
@@ -105,17 +107,28 @@ def _rewrite_header(path, text):
     ("tiny", "too short for a safetensors file"),
     ("header_length", r"header length \d+ does not fit a file of \d+ bytes"),
     ("not_json", "header: expected '{'"),
-    ("format", "metadata format is 'colibri-moe/9', expected 'colibri-moe/1' or 'colibri-moe/2'"),
+    ("format", "metadata format is 'colibri-moe/9', expected 'colibri-moe/1', '/2' or '/3'"),
     ("no_router", "no 'router' tensor"),
     ("shape", r"tensor 'experts': dimension 1 is \d+, expected \d+"),
     ("unclosed", "header: "),
+    ("fp8_no_scales", "fp8 experts without an 'expert_scales' tensor"),
+    ("fp8_scale_shape", r"tensor 'expert_scales': dimension 1 is \d+, expected \d+"),
+    ("fp8_no_block", "metadata: 'scale_block_k' is missing"),
 ])
 def test_hello_refuses_bad_checkpoints(hello, tmp_path, damage, message):
     path = tmp_path / "w.colibri.safetensors"
-    checkpoint.write_demo(path, experts=4, top_k=2, hidden=32, intermediate=64, seed=1)
+    checkpoint.write_demo(path, experts=4, top_k=2, hidden=32, intermediate=64, seed=1,
+                          dtype="fp8_e4m3" if damage.startswith("fp8") else "bf16")
     data, n = _header(path)
     text = data[8:8 + n].decode()
-    if damage == "truncate":
+    if damage == "fp8_no_scales":
+        _rewrite_header(path, text.replace('"expert_scales"', '"expert_scalez"'))
+    elif damage == "fp8_scale_shape":
+        _rewrite_header(path, re.sub(r'("expert_scales":\{"dtype":"F32","shape":\[4,)(\d+)',
+                                     lambda m: m[1] + str(int(m[2]) + 1).rjust(len(m[2])), text))
+    elif damage == "fp8_no_block":
+        _rewrite_header(path, text.replace('"scale_block_k"', '"scale_block_q"'))
+    elif damage == "truncate":
         path.write_bytes(data[:len(data) - 100])
     elif damage == "missing":
         path.unlink()
