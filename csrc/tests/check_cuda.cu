@@ -100,6 +100,18 @@ struct Shape {
     int bn = 0, bk = 0; /* fp8 weights: the scale blocks (colibri.h; 0 = the whole dimension) */
 };
 
+/* fp8 weights on the fp8 tensor cores (wgmma_fp8.cuh: sm_90a, from 9 assignments on, H and F multiples of
+ * 16, scale blocks of multiples of 128 or per output channel) compute with the activations quantised to e4m3
+ * per 128 columns, x and the SWIGLU intermediate: up to 2^-4 relative per element, partly averaging out in
+ * the sums. Against the float64 forward of the dequantised weights, normalised by max|reference|: at most
+ * 5.5e-2 over the 255 fp8 cases on an H100 (1.6e-2 to 4.5e-2 for single projections, check_fp8_gemm.cu,
+ * which also holds the kernels to 8e-3 against the activations they were given). The gemv keeps bf16's. */
+#define FP8_TC_LIMIT 8e-2
+static bool fp8_tensor_cores(colibri_dtype_t w, int H, int F, int bn, int bk, int64_t assignments) {
+    const bool fit = (bn == 1 && bk == 0) || ((bn == 0 || bn % 128 == 0) && (bk == 0 || bk % 128 == 0));
+    return w == COLIBRI_DTYPE_F8E4M3 && assignments > 8 && H % 16 == 0 && F % 16 == 0 && fit;
+}
+
 struct Layer {
     Shape s;
     colibri_expert_kind_t kind;
@@ -345,6 +357,11 @@ struct Dev {
 
 enum { GIVEN = -1, CUSTOM = -2, COUNTS = -3 /* given ids with these rows per expert (run_case's per_expert) */ };
 
+/* The limit of a forward of `assignments` (T times the slots, shared slices included) on shape s. */
+static double case_limit(colibri_dtype_t w, colibri_dtype_t a, const Shape &s, int64_t assignments) {
+    return fp8_tensor_cores(w, s.H, s.F, s.bn, s.bk, assignments) ? FP8_TC_LIMIT : limit_for(w, a);
+}
+
 struct Worst {
     double err = 0, ratio = 0;
 };
@@ -493,7 +510,7 @@ static void run_case(Shape s, colibri_expert_kind_t kind, colibri_dtype_t wdt, c
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<char> hout(obytes), hout2(obytes);
     CUDA_OK(cudaMemcpy(hout.data(), d.out, obytes, cudaMemcpyDeviceToHost));
-    const double err = normalised_error(hout.data(), adt, ref), lim = limit_for(wdt, adt);
+    const double err = normalised_error(hout.data(), adt, ref), lim = case_limit(wdt, adt, s, (int64_t)T * s.k);
     {
         char what[300];
         snprintf(what, sizeof what, "%s: forward error %.3g > limit %.3g", name, err, lim);
@@ -615,8 +632,9 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
         CUDA_OK(cudaMemcpy(rids.data(), d_rids, rids.size() * 4, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(rwts.data(), d_rwts, rwts.size() * 4, cudaMemcpyDeviceToHost));
         const double rerr = normalised_error(a.data(), adt, ref_forward(L, x, T, rids, rwts));
-        snprintf(what, sizeof what, "%s: replay %d error %.3g <= limit %.3g", name, rep, rerr, limit_for(wdt, adt));
-        expect(rerr <= limit_for(wdt, adt), what);
+        const double rlim = case_limit(wdt, adt, s, (int64_t)T * s.k);
+        snprintf(what, sizeof what, "%s: replay %d error %.3g <= limit %.3g", name, rep, rerr, rlim);
+        expect(rerr <= rlim, what);
     }
     cudaFree(d_rids);
     cudaFree(d_rwts);
@@ -654,7 +672,7 @@ static void graph_and_bad_ids(Shape s, colibri_dtype_t wdt, colibri_dtype_t adt,
     char what[300];
     snprintf(what, sizeof what, "%s: bad ids flagged (%s), then cleared (%s), skipped (err %.3g), not counted", name,
              colibri_status_string(flagged), colibri_status_string(cleared), err);
-    expect(flagged == COLIBRI_ERR_INVALID_ARGUMENT && cleared == COLIBRI_OK && err <= limit_for(wdt, adt) &&
+    expect(flagged == COLIBRI_ERR_INVALID_ARGUMENT && cleared == COLIBRI_OK && err <= case_limit(wdt, adt, s, (int64_t)T * s.k) &&
                counts == want,
            what);
     printf("ok   %s\n", name);
@@ -1012,7 +1030,8 @@ static void feature_case(const char *tag, Shape s, colibri_expert_kind_t kind, c
     CUDA_OK(cudaMemset(d.out, 0xff, obytes));
     COL_OK(colibri_moe_forward(ctx, T, adt, d.in, d.ids, d.wts, d.out, nullptr));
     CUDA_OK(cudaMemcpy(a.data(), d.out, obytes, cudaMemcpyDeviceToHost));
-    const double err = normalised_error(a.data(), adt, ref), lim = limit_for(wdt, adt);
+    const int slices = f.Fs ? (f.Fs + s.F - 1) / s.F : 0;
+    const double err = normalised_error(a.data(), adt, ref), lim = case_limit(wdt, adt, s, (int64_t)T * (s.k + slices));
     char what[400];
     snprintf(what, sizeof what, "%s: forward error %.3g > limit %.3g", name, err, lim);
     expect(err <= lim, what);
@@ -1237,6 +1256,32 @@ static void fp8_cases(bool quick, std::mt19937_64 &rng) {
     }
 }
 
+/* fp8 weights on the fp8 tensor cores: a Mixtral-like layer (8 experts, top-2; H and F cut to 512 and 1024
+ * so the host reference stays quick) and a DeepSeek-V3-like one (256 experts, top-8, 128 x 128 blocks) from
+ * T = 128 to 4096, every activation dtype; rows per expert from 0 and 1 to several tiles (partial tiles on
+ * both warpgroups); per-channel and per-tensor scales; LINEAR experts. */
+static void fp8_tensor_core_cases(bool quick, std::mt19937_64 &rng) {
+    const colibri_dtype_t f8 = COLIBRI_DTYPE_F8E4M3;
+    const colibri_dtype_t dts[3] = {COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16};
+    const std::vector<int> Ts = quick ? std::vector<int>{128} : std::vector<int>{128, 1024, 4096};
+    int i = 0;
+    for (int T : Ts) {
+        const colibri_dtype_t a = dts[i++ % 3];
+        run_case({8, 2, 512, 1024, false, 128, 128}, COLIBRI_EXPERT_SWIGLU, f8, a, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, 0,
+                 rng);
+        run_case({256, 8, 384, 256, false, 128, 128}, COLIBRI_EXPERT_SWIGLU, f8, a, COLIBRI_ROUTING_SIGMOID_BIAS, 1, T,
+                 0, rng);
+    }
+    /* rows per expert: none, one, one short of, at and past a tile, a warpgroup's 64, several tiles */
+    const std::vector<int> rows = {1, 0, 127, 128, 129, 300, 5, 64};
+    for (const auto &b : {std::make_pair(128, 128), std::make_pair(1, 0), std::make_pair(0, 0)})
+        for (int kind = 0; kind < 2; kind++) {
+            if (quick && kind) continue;
+            run_case({8, 2, 256, 384, false, b.first, b.second}, (colibri_expert_kind_t)kind, f8, COLIBRI_DTYPE_BF16,
+                     COUNTS, 0, 377, 0, rng, &rows);
+        }
+}
+
 int main(int argc, char **argv) {
     const bool quick = argc > 1 && !strcmp(argv[1], "--quick");
     if (!colibri_cuda_built() || colibri_cuda_device_count() < 1) {
@@ -1395,6 +1440,7 @@ int main(int argc, char **argv) {
 
     feature_cases(quick, rng);
     fp8_cases(quick, rng);
+    fp8_tensor_core_cases(quick, rng);
 
     printf("\nworst normalised error per (weight dtype, act dtype): err (err/limit)\n");
     for (colibri_dtype_t w : {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F8E4M3})

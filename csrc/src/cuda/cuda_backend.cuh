@@ -74,6 +74,10 @@ struct CudaBackend {
     void *xc;                   /* [Tw, H] input converted to the compute dtype (tensor-core path) */
     void *inter;                /* [Tw * k, F] compute dtype (SWIGLU only) */
     void *y;                    /* [Tw * k, O] compute dtype: each assignment's expert output */
+    uint8_t *xq;                /* fp8 weights: [Tw, H] the tokens in fp8 for the tensor cores (fp8_experts.cu) */
+    float *xq_scales;           /* [Tw, ceil(H / 128)] their scales */
+    uint8_t *inter_q;           /* [Tw * k, F] inter in fp8 (SWIGLU) */
+    float *inter_q_scales;      /* [Tw * k, ceil(F / 128)] its scales */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
     bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see mma_experts.cuh) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
@@ -81,6 +85,7 @@ struct CudaBackend {
     int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int ws_fold;                /* rows past 128 an expert's last tile may take (colibri_cuda_experts_absorb) */
+    bool fp8_tc;                /* with tma_encode: fp8 weights' 128-row tiles run wgmma_fp8_kernel */
     int sm_count;               /* multiprocessors: the persistent wgmma grid, wave estimates */
     int mma16_blocks_per_sm[2][2][2]; /* [GLU][narrow][long K]: occupancy of the 16-row tensor-core kernels */
     bool l2_prefetch;           /* compute capability 9.x: the first wave's weights are prefetched during routing */
@@ -379,6 +384,15 @@ PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_
 /* Enqueues that plan's L2 prefetch; OK doing nothing where it is empty. */
 colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
                                               cudaStream_t stream);
+/* fp8_experts.cu */
+/* Sets up wgmma_fp8_kernel (at init, where wgmma_ws_kernel runs): its shared memory. */
+cudaError_t colibri_cuda_fp8_setup(void);
+/* Whether ctx's fp8 weights may run on the tensor cores: b->fp8_tc, rows of multiples of 16 and scale
+ * blocks the kernel folds in (wgmma_fp8.cuh, fp8_scales_fit). */
+bool colibri_cuda_fp8_tensor_cores(const colibri_moe_context_t *ctx);
+/* The expert pass of fp8 weights over 128-row tiles (after the permutation): y [T*k, O] in bf16. */
+colibri_status_t colibri_cuda_launch_fp8_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
+                                                 colibri_dtype_t act_dtype, const void *input, cudaStream_t stream);
 /* combine.cu */
 /* direct_ids: as for launch_experts (y rows are then assignment indices); topk_ids: the forward's ids */
 colibri_status_t colibri_cuda_launch_combine(const colibri_moe_context_t *ctx, int64_t num_tokens,

@@ -70,6 +70,9 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         }
         /* COLIBRI_CUDA_NO_MC=1: the tiles an expert shares stay on the one-block kernel (harness, timing) */
         b->ws_clusters = b->tma_encode && !env_on("COLIBRI_CUDA_NO_MC") && clusters > 0 ? clusters : 0;
+        /* fp8 weights' tiles on the fp8 tensor cores where the weights' tensor maps encode */
+        b->fp8_tc = b->tma_encode && colibri_cuda_fp8_setup() == cudaSuccess;
+        if (b->tma_encode && !b->fp8_tc) (void)cudaGetLastError();
 #endif
     }
     colibri_for_each_act([&](auto act) {
@@ -244,6 +247,9 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX &&
                       F % (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? 16 : 8) == 0;
     *combined = false;
+    /* fp8 weights' tiles (experts_plan.cu chose them): the fp8 tensor cores, which quantise x themselves */
+    if (tile_m > GEMV_GROUP && c->weight_dtype == COLIBRI_DTYPE_F8E4M3)
+        return colibri_cuda_launch_fp8_experts(ctx, num_tokens, act_dtype, input, stream);
     /* the tensor-core path reads x in the compute dtype */
     if (tile_m > GEMV_GROUP && act_dtype != compute) {
         colibri_status_t st = colibri_cuda_launch_convert(input, act_dtype, b->xc, compute, num_tokens * H, stream);

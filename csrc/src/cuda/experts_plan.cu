@@ -85,8 +85,9 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
-    /* fp8 weights: the gemv at every T until tensor-core kernels take them */
-    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && c->weight_dtype != COLIBRI_DTYPE_F8E4M3 &&
+    /* fp8 weights: the fp8 tensor cores where they take the layer (wgmma_fp8.cuh), else the gemv */
+    const bool f8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
+    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && (!f8 || colibri_cuda_fp8_tensor_cores(ctx)) &&
                               c->hidden_size % 8 == 0 &&
                               c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
     const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
@@ -95,6 +96,9 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
         const int64_t want3 = assignments * 3; /* 2 * (1.5 * mean) * E */
         return want3 <= 4 * E ? 2 : want3 <= 8 * E ? 4 : GEMV_GROUP;
     }
+    /* wgmma_fp8_kernel's tiles are 128 rows: with fewer rows per expert it streams the weights, at the copy
+     * rate from 16 tokens on (Mixtral, DeepSeek-V3 shapes; docs/performance.md) */
+    if (f8) return WG_BM;
     const int64_t want = (assignments * 3 / 2 + E - 1) / E;
     int32_t tile = want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
     if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
