@@ -24,8 +24,10 @@ torch._scaled_grouped_mm (rowwise fp8: activations per token, weights requantise
 the eager loop that dequantises each expert's weights to bf16 on every call. The fp8 floor is
 max((fp8 bytes of the touched experts + their scales + activations) / copy rate, FLOPs / fp8 matmul rate),
 that rate from torch._scaled_mm on an 8192^3 GEMM in the same run. Errors are against the float64 layer of
-the dequantised weights and against Colibri's bf16 output. A library that refuses fp8 (CUDA before its fp8
-kernels) or a torch without the baseline leaves the reason in the row. --plot-fp8 draws them.
+the dequantised weights and against Colibri's bf16 output. Beside each row, its practical ceilings: a plain
+read of the same scattered fp8 bytes (memory-bound rows) and torch._scaled_mm on the same GEMMs, per expert
+with its own weights (compute-bound rows). A library that refuses fp8 (CUDA before its fp8 kernels) or a
+torch without the baseline leaves the reason in the row. --plot-fp8 draws them.
 """
 import argparse
 import ctypes
@@ -467,6 +469,8 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
                 t_grouped = float("nan")
             counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
+            t_read, read_status = read_ceiling(timer, Q, counts.tolist())
+            t_mm, mm_status = scaled_mm_ceiling(timer, Q, counts.tolist(), T)
             nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
             flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
@@ -647,6 +651,44 @@ def fp8_matmul_rate(timer, n=8192):
         return float("nan"), f"torch._scaled_mm failed: {err}"
 
 
+def read_ceiling(timer, Q, counts):
+    """The practical ceiling of a memory-bound row: one plain read (torch._foreach_norm, a few kernels) of the
+    same scattered bytes, every fp8 matrix of the touched experts and the shared expert's, as fp32 words."""
+    try:
+        mats = [q[e] for e, m in enumerate(counts) if m for q, _ in Q["experts"]]
+        mats += [q for q, _ in Q["shared"]] if Q["shared"] else []
+        words = [m.view(torch.float32) for m in mats]
+        return timer(lambda: torch._foreach_norm(words)), "ok"
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
+        return float("nan"), f"read ceiling failed: {str(err)[:200]}"
+
+
+def scaled_mm_ceiling(timer, Q, counts, T):
+    """The practical ceiling of a compute-bound row: torch._scaled_mm on the forward's GEMMs, each expert's
+    own fp8 gate, up and down against its rows (padded to 16; the shared expert against all T rows), with
+    per-tensor scales and fast accumulation (the card's best fp8 GEMMs), in one CUDA graph; no routing,
+    activation quantisation, SwiGLU or combine. nan with the reason where this torch or card cannot."""
+    try:
+        one = torch.ones((), device="cuda")
+        (g, _), (u, _), (d, _) = Q["experts"]
+        work = [(-(-m // 16) * 16, g[e], u[e], d[e]) for e, m in enumerate(counts) if m]
+        if Q["shared"]:
+            (sg, _), (su, _), (sd, _) = Q["shared"]
+            work.append((-(-T // 16) * 16, sg, su, sd))
+        acts = {(m, w.shape[1]): None for m, *ws in work for w in ws}  # one activation block per (rows, K)
+        acts = {key: torch.randn(*key, device="cuda").to(FP8) for key in acts}
+
+        def gemms():
+            for m, *ws in work:
+                for w in ws:
+                    torch._scaled_mm(acts[m, w.shape[1]], w.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                     use_fast_accum=True)
+        graph = graph_of(gemms)
+        return timer(graph.replay), "ok"
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
+        return float("nan"), f"torch._scaled_mm ceiling failed: {str(err).splitlines()[0][:200]}"
+
+
 def rel_err(out, ref):
     """||out - ref|| / ||ref|| in float64; NaN or inf anywhere in out gives nan (never a pass)."""
     if not bool(torch.isfinite(out).all()):
@@ -721,6 +763,8 @@ def bench_fp8(lib, timer, name, copy_bw, fp8_rate, rows, tokens=TOKENS):
                     row_sg = f"torch._scaled_grouped_mm failed: {str(err).splitlines()[0][:200]}"
             counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
+            t_read, read_status = read_ceiling(timer, Q, counts.tolist())
+            t_mm, mm_status = scaled_mm_ceiling(timer, Q, counts.tolist(), T)
             nbytes = touched * expert_bytes + shared_bytes + 2 * T * H * 2
             flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
             # no fp8 matmul rate measured: no floor (max() would quietly keep the bytes term alone)
@@ -731,12 +775,15 @@ def bench_fp8(lib, timer, name, copy_bw, fp8_rate, rows, tokens=TOKENS):
                        speedup_vs_eager=t_eager / t8, rel_err_vs_ref64=err8, rel_err_vs_bf16=err8_16,
                        scaled_grouped_rel_err_vs_ref64=err_sg, eager_rel_err_vs_ref64=rel_err(eager_out, ref),
                        fp8_status=status, scaled_grouped_status=row_sg, experts_touched=touched, fp8_bytes=nbytes,
-                       flops=flops, rows_per_expert=counts.tolist())
+                       flops=flops, rows_per_expert=counts.tolist(), read_ceiling_ms=t_read,
+                       fraction_of_read_ceiling=t_read / t8, read_ceiling_status=read_status,
+                       scaled_mm_ceiling_ms=t_mm, fraction_of_scaled_mm_ceiling=t_mm / t8,
+                       scaled_mm_ceiling_status=mm_status)
             rows.append(row)
             print(f"{name:17s} {T:5d} {t8:8.3f} {t16:8.3f} {row['fp8_vs_bf16']:6.2f} {t_sg:8.3f} {t_eager:8.3f} "
                   f"{row['speedup_vs_scaled_grouped']:7.2f} {row['speedup_vs_eager']:7.2f} {floor_ms:8.3f} "
                   f"{row['fraction_of_fp8_floor']:6.2f} {err8:8.1e} {err8_16:8.1e}   sg err {err_sg:.1e}, "
-                  f"eager err {row['eager_rel_err_vs_ref64']:.1e}"
+                  f"eager err {row['eager_rel_err_vs_ref64']:.1e}, ceilings read {t_read:.3f} _scaled_mm {t_mm:.3f}"
                   + ("" if status == "ok" else f"   fp8: {status}")
                   + ("" if row_sg == "ok" or C is None else f"   {row_sg}"), flush=True)
     finally:

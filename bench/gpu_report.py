@@ -148,7 +148,7 @@ def fp8_summary(run: dict) -> tuple[list[str], int, int]:
     are not judged), with the reasons a row's fp8 forward or baseline did not run."""
     lines = [f"{'shape':17s} {'T':>5s} {'fp8 ms':>8s} {'bf16 ms':>8s} {'fp8/bf16':>8s} {'goal':>5s} {'met':>3s} "
              f"{'floor':>5s} {'goal':>5s} {'met':>3s} {'x sg':>6s} {'met':>3s} {'x eager':>7s} {'err64':>8s} "
-             f"{'err16':>8s}"]
+             f"{'err16':>8s} {'read':>5s} {'mm':>5s}"]
     met = judged = not_run = 0
     reasons = {}
     for r in run["fp8_rows"]:
@@ -161,12 +161,16 @@ def fp8_summary(run: dict) -> tuple[list[str], int, int]:
                      f"{'-' if goal_ratio is None else goal_ratio:>5} {v['ratio']:>3s} "
                      f"{r['fraction_of_fp8_floor']:5.2f} {'-' if goal_frac is None else goal_frac:>5} "
                      f"{v['floor']:>3s} {r['speedup_vs_scaled_grouped']:6.2f} {v['scaled_grouped']:>3s} "
-                     f"{r['speedup_vs_eager']:7.2f} {r['rel_err_vs_ref64']:8.1e} {r['rel_err_vs_bf16']:8.1e}")
-        for key in ("fp8_status", "scaled_grouped_status"):
+                     f"{r['speedup_vs_eager']:7.2f} {r['rel_err_vs_ref64']:8.1e} {r['rel_err_vs_bf16']:8.1e} "
+                     f"{r.get('fraction_of_read_ceiling', float('nan')):5.2f} "
+                     f"{r.get('fraction_of_scaled_mm_ceiling', float('nan')):5.2f}")
+        for key in ("fp8_status", "scaled_grouped_status", "read_ceiling_status", "scaled_mm_ceiling_status"):
             if r.get(key, "ok") != "ok":
                 reasons.setdefault(r[key], []).append(f"{r['shape']} T={r['T']}")
     for why, where in reasons.items():
         lines.append(f"  {why} ({len(where)} rows: {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})")
+    lines.append("read, mm: the row's practical ceilings over its fp8 time (a plain read of the same fp8 bytes; "
+                 "torch._scaled_mm on the same GEMMs)")
     lines.append(f"fp8 targets (DESIGN.md) met: {met} of {judged} judged"
                  + (f"; faster than torch._scaled_grouped_mm not judged on {not_run} rows (it did not run)"
                     if not_run else "")
