@@ -105,11 +105,15 @@ struct Shape {
  * per 128 columns, x and the SWIGLU intermediate: up to 2^-4 relative per element, partly averaging out in
  * the sums. Against the float64 forward of the dequantised weights, normalised by max|reference|: at most
  * 5.5e-2 over the 255 fp8 cases on an H100 (1.6e-2 to 4.5e-2 for single projections, check_fp8_gemm.cu,
- * which also holds the kernels to 8e-3 against the activations they were given). The gemv keeps bf16's. */
+ * which also holds the kernels to 8e-3 against the activations they were given). The gemv and mma_kernel
+ * (fp8 weights widened to bf16 tiles) keep bf16's. */
 #define FP8_TC_LIMIT 8e-2
 static bool fp8_tensor_cores(colibri_dtype_t w, int H, int F, int bn, int bk, int64_t assignments) {
     const bool fit = (bn == 1 && bk == 0) || ((bn == 0 || bn % 128 == 0) && (bk == 0 || bk % 128 == 0));
-    return w == COLIBRI_DTYPE_F8E4M3 && assignments > 8 && H % 16 == 0 && F % 16 == 0 && fit;
+    /* COLIBRI_CUDA_NO_WS=1 (read by the library too) keeps them off: mma_kernel's bf16 tiles instead */
+    const char *no_ws = getenv("COLIBRI_CUDA_NO_WS");
+    const bool on = !(no_ws && no_ws[0] && strcmp(no_ws, "0") != 0);
+    return w == COLIBRI_DTYPE_F8E4M3 && assignments > 8 && H % 16 == 0 && F % 16 == 0 && fit && on;
 }
 
 struct Layer {

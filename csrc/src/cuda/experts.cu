@@ -39,6 +39,7 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         using Act = decltype(act);
         if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__nv_bfloat16, Act>(w, l);
         if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__half, Act>(w, l);
+        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<F8E4M3, Act>(w, l);
     });
     COLIBRI_CUDA_CHECK(kernel_setup);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
@@ -206,6 +207,15 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
         plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
         return mma_launch<TW, Act>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
     }
+    if constexpr (f8 && std::is_same<TX, __nv_bfloat16>::value) {
+        /* fp8 weights the fp8 tensor cores do not take (sm_80, scale blocks they cannot fold in): mma_kernel
+         * widens each stage's weights to bf16 times their scales (mma_experts.cuh) */
+        a.early = !bookkeeping;
+        bool long_k, narrow;
+        plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
+        return mma_launch<TW, Act>(a, tile_m, slots, b->mma_wide_k, long_k, narrow,
+                                   colibri_cuda_scale_grid(ctx, matrix, k), stream);
+    }
     return cudaErrorInvalidValue;
 }
 
@@ -248,7 +258,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
                       F % (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? 16 : 8) == 0;
     *combined = false;
     /* fp8 weights' tiles (experts_plan.cu chose them): the fp8 tensor cores, which quantise x themselves */
-    if (tile_m > GEMV_GROUP && c->weight_dtype == COLIBRI_DTYPE_F8E4M3)
+    if (tile_m > GEMV_GROUP && c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && colibri_cuda_fp8_tensor_cores(ctx))
         return colibri_cuda_launch_fp8_experts(ctx, num_tokens, act_dtype, input, stream);
     /* the tensor-core path reads x in the compute dtype */
     if (tile_m > GEMV_GROUP && act_dtype != compute) {

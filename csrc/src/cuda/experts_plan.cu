@@ -85,11 +85,14 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
-    /* fp8 weights: the fp8 tensor cores where they take the layer (wgmma_fp8.cuh), else the gemv */
-    const bool f8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
-    const bool tensor_cores = c->weight_dtype != COLIBRI_DTYPE_F32 && (!f8 || colibri_cuda_fp8_tensor_cores(ctx)) &&
-                              c->hidden_size % 8 == 0 &&
-                              c->intermediate_size % 8 == 0 && (act_dtype != c->weight_dtype || colibri_aligned16(input));
+    /* fp8 weights: the fp8 tensor cores where they take the layer (wgmma_fp8.cuh), else mma_kernel's tiles of
+     * the weights widened to bf16 where rows are 16-byte multiples (bf16 x), else the gemv */
+    const bool f8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3, f8_tc = f8 && colibri_cuda_fp8_tensor_cores(ctx);
+    const bool tensor_cores =
+        f8 ? f8_tc || (c->hidden_size % 16 == 0 && c->intermediate_size % 16 == 0 &&
+                       (act_dtype != COLIBRI_DTYPE_BF16 || colibri_aligned16(input)))
+           : c->weight_dtype != COLIBRI_DTYPE_F32 && c->hidden_size % 8 == 0 && c->intermediate_size % 8 == 0 &&
+                 (act_dtype != c->weight_dtype || colibri_aligned16(input));
     const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
     if (!tensor_cores || assignments <= GEMV_MAX_ASSIGNMENTS) {
         if (4 * assignments <= E) return 1;
@@ -98,13 +101,14 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
     }
     /* wgmma_fp8_kernel's tiles are 128 rows: with fewer rows per expert it streams the weights, at the copy
      * rate from 16 tokens on (Mixtral, DeepSeek-V3 shapes; docs/performance.md) */
-    if (f8) return WG_BM;
+    if (f8_tc) return WG_BM;
     const int64_t want = (assignments * 3 / 2 + E - 1) / E;
     int32_t tile = want <= 16 ? 16 : want <= 32 ? 32 : want <= 64 ? 64 : 128;
     if (want > 32 && want <= 64 && assignments * 13 / 10 <= 32 * E) tile = 32;
     /* With many experts, tiles of 32 or 64 rows go to the 128-row warp-specialised kernel instead: its
      * producer streams a partial tile's weights well and its items hand out by a counter. */
-    if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode)
+    if (tile >= 32 && tile < WG_BM && E >= WS_SMALL_TILE_MIN_EXPERTS && ((const CudaBackend *)ctx->backend)->tma_encode &&
+        !f8)
         tile = WG_BM;
     return tile;
 }

@@ -1,7 +1,9 @@
 /*
  * mma_experts.cuh — the expert tiles of 16-128 rows on mma.sync (sm_80 on): mma_kernel, the tile
  * shapes it is built in (BK, stages, shared memory per block) and its setup and launch. experts.cu
- * launches it; experts_plan.cu reads its tile shapes. See docs/cuda-design.md.
+ * launches it; experts_plan.cu reads its tile shapes. fp8 weights (mma_kernel given a ScaleGrid): each
+ * stage's e4m3 rows land in the first half of their bf16 region and are widened there, times their
+ * scales, before the products (mma_f8_widen). See docs/cuda-design.md.
  */
 #ifndef COLIBRI_CUDA_MMA_EXPERTS_CUH
 #define COLIBRI_CUDA_MMA_EXPERTS_CUH
@@ -44,10 +46,67 @@ template <int BM, class Act, int BK, int BN = MMA_BN> constexpr size_t mma_smem_
     return (size_t)mma_stages<BM, Act, BK, BN>() * mma_stage_bytes<BM, Act, BK, BN>();
 }
 
+/* fp8 weights: a stage's e4m3 rows of BK bytes lie packed at the start of their matrix's bf16 region
+ * (BN rows of BK 16-bit elements, swizzled), the raw 16-byte chunk c of row r at r BK + 16 c. Each thread
+ * copies F8_PER_T chunks of each matrix and widens the same ones: into registers (its own cp.async
+ * groups are complete), then, once every thread has read its chunks (the block barrier between),
+ * times the scale of the chunk's block as bf16 into the swizzled rows mma_b_step reads. */
+template <int BK, int BN> constexpr int mma_f8_per_t() { return BN * BK / 16 / (2 * BN); }
+
+template <int BK, int BN, int NMAT>
+__device__ __forceinline__ void mma_f8_read(uint32_t b, uint32_t b_bytes, uint4 (&raw)[NMAT][mma_f8_per_t<BK, BN>()]) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int m = 0; m < NMAT; m++)
+#pragma unroll
+        for (int i = 0; i < mma_f8_per_t<BK, BN>(); i++) {
+            const uint32_t at = b + m * b_bytes + (uint32_t)(tid + i * 2 * BN) * 16;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(raw[m][i].x), "=r"(raw[m][i].y), "=r"(raw[m][i].z), "=r"(raw[m][i].w)
+                         : "r"(at));
+        }
+}
+
+/* The widening of mma_f8_read's chunks: row r = idx / (BK / 16) of the stage (output column n0 + r), its
+ * k elements k0 + 16 (idx % (BK / 16)) + 0..15; chunks past n or K were zero-filled and take no scale. */
+template <int BK, int BN, int NMAT>
+__device__ __forceinline__ void mma_f8_widen(uint32_t b, uint32_t b_bytes, const uint4 (&raw)[NMAT][mma_f8_per_t<BK, BN>()],
+                                             const ScaleGrid &g, int expert, int n0, int n, int k0, int k) {
+    constexpr int CPR = BK / 16;
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int m = 0; m < NMAT; m++)
+#pragma unroll
+        for (int i = 0; i < mma_f8_per_t<BK, BN>(); i++) {
+            const int idx = tid + i * 2 * BN, r = idx / CPR, c = idx % CPR, kc = k0 + 16 * c;
+            const bool ok = n0 + r < n && kc < k;
+            const float s = ok ? __ldg(g.row(expert, m, n0 + r) + (kc >> g.k_shift)) : 0.0f;
+            Pack<F8E4M3, 16> q;
+            *reinterpret_cast<uint4 *>(&q) = raw[m][i];
+            float f[16];
+            f8_to_f32<16>(q, f);
+            uint32_t h[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) h[j] = pack2<__nv_bfloat16>(f[2 * j] * s, f[2 * j + 1] * s);
+            const uint32_t row = b + m * b_bytes;
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + swz<BK>(r, 2 * c)), "r"(h[0]),
+                         "r"(h[1]), "r"(h[2]), "r"(h[3]));
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(row + swz<BK>(r, 2 * c + 1)), "r"(h[4]),
+                         "r"(h[5]), "r"(h[6]), "r"(h[7]));
+        }
+}
+
+/* The weight type of mma_kernel with these trailing parameters: T, or fp8 given a ScaleGrid. */
+template <class T, class... S> struct MmaWeight { using type = T; };
+template <class T> struct MmaWeight<T, ScaleGrid> { using type = F8E4M3; };
+
 /* BN columns of weights per block, 2 * BN threads: each warp's share (16 or 32 columns) is the same
- * for every BN. */
-template <class T, int BM, class Act, int BK, int BN = MMA_BN>
-__global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
+ * for every BN. S: nothing (16-bit weights of T), or fp8 weights' ScaleGrid (T bf16): a parameter pack
+ * rather than a wrapper around a shared body, which moved ptxas's registers in the 16-bit kernels. */
+template <class T, int BM, class Act, int BK, int BN = MMA_BN, class... S>
+__global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a, S... scales) {
+    using TW = typename MmaWeight<T, S...>::type;
+    constexpr bool F8 = std::is_same<TW, F8E4M3>::value;
     constexpr int THREADS = 2 * BN;
     constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = THREADS / 32 / WARPS_M;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
@@ -85,17 +144,20 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
         const int row = a_ok[i] ? (a.row_map ? a.row_map[p] / a.row_div : p) : 0;
         a_src[i] = reinterpret_cast<const T *>(a.x) + (size_t)row * a.k + (idx % CPR) * 8;
     }
-    const T *b_src[NMAT][B_PER_T];
-    bool b_ok[B_PER_T];
+    /* the weight chunks this thread copies: 8 16-bit elements, or (fp8) 16 bytes of F8_CPR a row */
+    constexpr int F8_CPR = BK / 16, B_CHUNK = F8 ? 16 : 8, B_CPR = F8 ? F8_CPR : CPR;
+    constexpr int B_N = F8 ? mma_f8_per_t<BK, BN>() : B_PER_T;
+    const TW *b_src[NMAT][B_N];
+    bool b_ok[B_N];
     const char *wexp = a.w + (size_t)tile.expert * a.w_expert_stride;
 #pragma unroll
-    for (int i = 0; i < B_PER_T; i++) {
-        const int idx = tid + i * THREADS, n = n0 + idx / CPR;
+    for (int i = 0; i < B_N; i++) {
+        const int idx = tid + i * THREADS, n = n0 + idx / B_CPR;
         b_ok[i] = n < a.n;
 #pragma unroll
         for (int m = 0; m < NMAT; m++)
-            b_src[m][i] = reinterpret_cast<const T *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k +
-                          (idx % CPR) * 8;
+            b_src[m][i] = reinterpret_cast<const TW *>(wexp + m * a.w_second) + (size_t)(b_ok[i] ? n : 0) * a.k +
+                          (idx % B_CPR) * B_CHUNK;
     }
 
     const int ktiles = (a.k + BK - 1) / BK;
@@ -117,11 +179,15 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
 #pragma unroll
         for (int m = 0; m < NMAT; m++) {
 #pragma unroll
-            for (int i = 0; i < B_PER_T; i++) {
+            for (int i = 0; i < B_N; i++) {
                 const int idx = tid + i * THREADS;
-                const bool ok = b_ok[i] && k0 + (idx % CPR) * 8 < a.k;
-                cp_async16(st + A_BYTES + m * B_BYTES + swz<BK>(idx / CPR, idx % CPR),
-                           ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
+                const bool ok = b_ok[i] && k0 + (idx % B_CPR) * B_CHUNK < a.k;
+                if constexpr (F8) /* packed raw rows (mma_f8_read) */
+                    cp_async16(st + A_BYTES + m * B_BYTES + (uint32_t)idx * 16,
+                               ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
+                else
+                    cp_async16(st + A_BYTES + m * B_BYTES + swz<BK>(idx / CPR, idx % CPR),
+                               ok ? (const void *)(b_src[m][i] + k0) : (const void *)a.w, ok);
             }
         }
     };
@@ -155,6 +221,15 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     }
     for (int kt = 0; kt < ktiles; kt++) {
         cp_async_wait<STAGES - 2>();
+        if constexpr (F8) {
+            /* this thread's raw chunks of stage kt (its own copies, complete) before the barrier, their
+             * bf16 rows over every thread's after it; then a second barrier before the products */
+            const uint32_t sw = sbase + (uint32_t)(kt % STAGES) * STAGE_BYTES + A_BYTES;
+            uint4 raw[NMAT][mma_f8_per_t<BK, BN>()];
+            mma_f8_read<BK, BN, NMAT>(sw, B_BYTES, raw);
+            __syncthreads();
+            mma_f8_widen<BK, BN, NMAT>(sw, B_BYTES, raw, scales..., tile.expert, n0, a.n, kt * BK, a.k);
+        }
         __syncthreads();
         if (kt + STAGES - 1 < ktiles) {
             load_a(kt + STAGES - 1);
@@ -197,9 +272,14 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a) {
     }
 }
 
+/* Sets the dynamic shared memory of mma_kernel of T, or of its fp8 variant for T = F8E4M3. */
 template <class T, int BM, class Act, int BK, int BN = MMA_BN> static cudaError_t mma_setup_one() {
-    return cudaFuncSetAttribute(mma_kernel<T, BM, Act, BK, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                (int)mma_smem_bytes<BM, Act, BK, BN>());
+    if constexpr (std::is_same<T, F8E4M3>::value)
+        return cudaFuncSetAttribute(mma_kernel<__nv_bfloat16, BM, Act, BK, BN, ScaleGrid>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)mma_smem_bytes<BM, Act, BK, BN>());
+    else
+        return cudaFuncSetAttribute(mma_kernel<T, BM, Act, BK, BN>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)mma_smem_bytes<BM, Act, BK, BN>());
 }
 
 /* The BN-column kernels of BM-row tiles: BK=32, the BK=64 one where mma_bk picks it and the device has
@@ -236,35 +316,48 @@ template <int BM, class Act, int BN> static int mma_pick_bk(bool wide_k, bool lo
     return LBK != WBK && long_k ? LBK : WBK > 32 && wide_k ? WBK : 32;
 }
 
+/* mma_kernel of T, or its fp8 variant (bf16 x and out) with the scales g for T = F8E4M3 */
+template <class T, int BM, class Act, int BK, int BN>
+static cudaError_t mma_launch_one(const ProjArgs &a, dim3 grid, const ScaleGrid &g, cudaStream_t stream) {
+    if constexpr (std::is_same<T, F8E4M3>::value)
+        return colibri_launch(mma_kernel<__nv_bfloat16, BM, Act, BK, BN, ScaleGrid>, grid, dim3(2 * BN), mma_smem_bytes<BM, Act, BK, BN>(),
+                              stream, a, g);
+    else
+        return colibri_launch(mma_kernel<T, BM, Act, BK, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, Act, BK, BN>(),
+                              stream, a);
+}
+
 template <class T, int BM, class Act, int BN>
-static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, bool long_k, cudaStream_t stream) {
+static cudaError_t mma_launch_bn(const ProjArgs &a, int64_t slots, bool wide_k, bool long_k, const ScaleGrid &g,
+                                 cudaStream_t stream) {
     const dim3 grid((unsigned)slots, (unsigned)((a.n + BN - 1) / BN));
     constexpr int LBK = mma_bk<BM, Act, BN, true>(), WBK = mma_bk<BM, Act, BN>();
     const int bk = mma_pick_bk<BM, Act, BN>(wide_k, long_k);
     if constexpr (LBK != WBK)
-        if (bk == LBK)
-            return colibri_launch(mma_kernel<T, BM, Act, LBK, BN>, grid, dim3(2 * BN),
-                                  mma_smem_bytes<BM, Act, LBK, BN>(), stream, a);
+        if (bk == LBK) return mma_launch_one<T, BM, Act, LBK, BN>(a, grid, g, stream);
     if constexpr (WBK > 32)
-        if (bk == WBK)
-            return colibri_launch(mma_kernel<T, BM, Act, WBK, BN>, grid, dim3(2 * BN),
-                                  mma_smem_bytes<BM, Act, WBK, BN>(), stream, a);
-    return colibri_launch(mma_kernel<T, BM, Act, 32, BN>, grid, dim3(2 * BN), mma_smem_bytes<BM, Act, 32, BN>(),
-                          stream, a);
+        if (bk == WBK) return mma_launch_one<T, BM, Act, WBK, BN>(a, grid, g, stream);
+    return mma_launch_one<T, BM, Act, 32, BN>(a, grid, g, stream);
 }
 
-/* long_k: the device fits the BK=128 kernels and the projection takes them (see mma_bk) */
+/* long_k: the device fits the BK=128 kernels and the projection takes them (see mma_bk). T = F8E4M3: fp8
+ * weights with the scales g, x and out bf16 (rows of K a multiple of 16). */
+template <class T, class Act>
+static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
+                              const ScaleGrid &g, cudaStream_t stream) {
+    switch (tile_m) {
+    case 16:
+        if (narrow) return mma_launch_bn<T, 16, Act, MMA_NARROW_BN>(a, slots, wide_k, long_k, g, stream);
+        return mma_launch_bn<T, 16, Act, MMA_BN>(a, slots, wide_k, long_k, g, stream);
+    case 32: return mma_launch_bn<T, 32, Act, MMA_BN>(a, slots, wide_k, long_k, g, stream);
+    case 64: return mma_launch_bn<T, 64, Act, MMA_BN>(a, slots, wide_k, long_k, g, stream);
+    default: return mma_launch_bn<T, 128, Act, MMA_BN>(a, slots, wide_k, long_k, g, stream);
+    }
+}
 template <class T, class Act>
 static cudaError_t mma_launch(const ProjArgs &a, int tile_m, int64_t slots, bool wide_k, bool long_k, bool narrow,
                               cudaStream_t stream) {
-    switch (tile_m) {
-    case 16:
-        if (narrow) return mma_launch_bn<T, 16, Act, MMA_NARROW_BN>(a, slots, wide_k, long_k, stream);
-        return mma_launch_bn<T, 16, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
-    case 32: return mma_launch_bn<T, 32, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
-    case 64: return mma_launch_bn<T, 64, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
-    default: return mma_launch_bn<T, 128, Act, MMA_BN>(a, slots, wide_k, long_k, stream);
-    }
+    return mma_launch<T, Act>(a, tile_m, slots, wide_k, long_k, narrow, ScaleGrid{}, stream);
 }
 
 /* Blocks of one 16-row kernel an SM holds (0 if the query fails). */
