@@ -7,7 +7,8 @@
 #   make examples   build examples/hello_colibri.c against build/libcolibri.a and run it on a demo checkpoint
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
 #   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
-#   make test-cuda      the CUDA correctness harness on the GPU (CUDA_HARNESS_ARGS=--quick; empty: full)
+#   make test-cuda      the CUDA correctness harness on the GPU (CUDA_HARNESS_ARGS=--quick; empty: full),
+#                       and the fp8 tensor-core kernels alone where sm_90 is built
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
 #          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
 SHELL := /bin/bash
@@ -234,6 +235,15 @@ $(BUILD)/tests/check_cuda: csrc/tests/check_cuda.cu $(LIB_A) csrc/include/colibr
 	@mkdir -p $(dir $@)
 	$(NVCC) -O2 -std=c++17 -Icsrc/include -Xcompiler -fopenmp -o $@ $< $(LIB_A) -lgomp
 
-test-cuda: $(BUILD)/tests/check_cuda
+# The fp8 tensor-core kernels alone (csrc/tests/check_fp8_gemm.cu): their own tile tables, limits tighter than
+# the API's (against the fp8 activations they were given), sm_90a only; test-cuda runs it where 90 is built.
+$(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu csrc/src/cuda/wgmma_fp8.cuh csrc/src/cuda/fp8_quant.cuh
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc/include \
+	  -Icsrc/src -Icsrc/src/cuda -o $@ $<
+
+FP8_KERNEL_CHECK := $(if $(filter 90,$(CUDA_ARCH)),$(BUILD)/tests/check_fp8_gemm)
+test-cuda: $(BUILD)/tests/check_cuda $(FP8_KERNEL_CHECK)
 	$< $(CUDA_HARNESS_ARGS)
+	$(if $(FP8_KERNEL_CHECK),$(FP8_KERNEL_CHECK))
 endif
