@@ -340,13 +340,18 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
     return colibri_moe_context_create(out_ctx, config, &w);
 }
 
+/* Bytes of an activation element, 0 for a dtype activations cannot have (fp8 is for weights only). */
+static size_t activation_size(colibri_dtype_t dtype) {
+    return dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(dtype);
+}
+
 colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                      const void *input, const int32_t *topk_ids, const float *topk_weights,
                                      void *output, void *stream) {
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
     if (!ctx) return colibri_set_error(bad, "ctx is NULL");
     if (num_tokens < 0) return colibri_set_error(bad, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    size_t act_size = act_dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(act_dtype);
+    const size_t act_size = activation_size(act_dtype);
     if (act_size == 0)
         return colibri_set_error(bad, "act_dtype %d is not an activation dtype (fp32, fp16 or bf16)", (int)act_dtype);
     if (num_tokens == 0) return COLIBRI_OK;
@@ -382,7 +387,7 @@ colibri_status_t colibri_moe_route(colibri_moe_context_t *ctx, int64_t num_token
     const colibri_status_t bad = COLIBRI_ERR_INVALID_ARGUMENT;
     if (!ctx) return colibri_set_error(bad, "ctx is NULL");
     if (num_tokens < 0) return colibri_set_error(bad, "num_tokens must be >= 0, got %lld", (long long)num_tokens);
-    size_t act_size = act_dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(act_dtype);
+    const size_t act_size = activation_size(act_dtype);
     if (act_size == 0)
         return colibri_set_error(bad, "act_dtype %d is not an activation dtype (fp32, fp16 or bf16)", (int)act_dtype);
     if (!ctx->router_weight && !ctx->cfg.routing_fn)
