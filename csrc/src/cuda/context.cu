@@ -80,12 +80,12 @@ void carve_workspace(CudaBackend *b, const colibri_moe_context_t *ctx, size_t to
     b->xc = c.take<char>(tokens * H * wsize);
     b->inter = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU ? c.take<char>(positions * F * wsize) : NULL;
     b->y = c.take<char>(positions * (size_t)ctx->out_features * wsize);
-    /* fp8 weights: the activations the fp8 tensor cores read, one scale per 128 of a row */
+    /* fp8 weights: the activations the fp8 tensor cores read, fp8_groups scales per row */
     const bool f8 = cfg->weight_dtype == COLIBRI_DTYPE_F8E4M3, glu = cfg->expert_kind == COLIBRI_EXPERT_SWIGLU;
     b->xq = f8 ? c.take<uint8_t>(tokens * H) : NULL;
-    b->xq_scales = f8 ? c.take<float>(tokens * (size_t)colibri_scale_blocks((int32_t)H, 128)) : NULL;
+    b->xq_scales = f8 ? c.take<float>(tokens * (size_t)fp8_groups((int)H)) : NULL;
     b->inter_q = f8 && glu ? c.take<uint8_t>(positions * F) : NULL;
-    b->inter_q_scales = f8 && glu ? c.take<float>(positions * (size_t)colibri_scale_blocks((int32_t)F, 128)) : NULL;
+    b->inter_q_scales = f8 && glu ? c.take<float>(positions * (size_t)fp8_groups((int)F)) : NULL;
 }
 
 void free_backend(CudaBackend *b) {

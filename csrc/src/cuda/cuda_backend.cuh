@@ -95,6 +95,11 @@ struct CudaBackend {
     float *shared_gate;         /* [H] fp32, or NULL */
 };
 
+/* fp8 weights: the activations the fp8 tensor cores read are quantised per row in groups of FP8_GROUP
+ * columns, one fp32 scale each (fp8_quant.cuh); the workspace holds fp8_groups(k) scales per row. */
+#define FP8_GROUP 128   /* one k step of the fp8 tiles */
+__host__ __device__ inline int fp8_groups(int k) { return (k + FP8_GROUP - 1) / FP8_GROUP; }
+
 template <class T> struct DtypeTag { using type = T; };
 
 /* Calls f(DtypeTag<T>{}) with T the C++ type of dtype d. */

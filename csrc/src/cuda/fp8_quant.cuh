@@ -11,11 +11,7 @@
 
 #include "cuda_backend.cuh"
 
-#define FP8_GROUP 128   /* columns one activation scale covers: one k step of the fp8 tiles */
 #define FP8_MAX 448.0f  /* largest finite e4m3 */
-
-/* Scales per row of k columns */
-__host__ __device__ inline int fp8_groups(int k) { return (k + FP8_GROUP - 1) / FP8_GROUP; }
 
 /* x [rows, k] -> q [rows, k] fp8 and scales [rows, fp8_groups(k)]. One warp per (row, group): lane l takes
  * columns 4l..4l+3 of the group, one 8- or 16-byte load and one 4-byte store. k % 16 == 0 (the tensor-core
