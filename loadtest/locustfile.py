@@ -28,9 +28,11 @@ Settings, as Locust options or environment variables (defaults in brackets):
 Pick the protocols by naming the user classes: `locust -f loadtest/locustfile.py GrpcUser HttpUser`.
 CudaShmUser sends over gRPC with hidden_states and output in CUDA shared memory (one input and one
 output region per user, registered once): the path of a client whose hidden states already live on
-a GPU. It needs a GPU, cupy and cuda-python (`pip install -c constraints.txt cupy-cuda12x cuda-python`);
-without them the run stops at once with one line saying what is missing. This file imports neither, so
-GrpcUser and HttpUser run anywhere (the compose loadtest image has no GPU).
+a GPU. It needs an NVIDIA GPU on the server's host, cupy (`pip install -c constraints.txt cupy-cuda12x`;
+cupy-cuda11x on CUDA 11 drivers) and the colibri package, whose colibri.cuda_shm makes the regions;
+without them the run stops at once with one line saying what is missing. This file imports none of
+them unless CudaShmUser is asked for, so GrpcUser and HttpUser run anywhere (the compose loadtest image
+has neither a GPU nor colibri).
 """
 import atexit
 import csv
@@ -341,23 +343,15 @@ _gpu_pools = {}
 
 
 def cuda_problem(device_id: int = 0):
-    """None when CudaShmUser can run here, else one line saying what is missing (cupy, a GPU,
-    cuda-python). Imported here only: the other users need none of these."""
+    """None when CudaShmUser can run here, else one line saying what is missing (colibri, the NVIDIA
+    driver, cupy, GPU device_id: LOADTEST_CUDA_DEVICE). Imported here only: the other users need none
+    of these."""
     try:
-        import cupy
-    except ImportError:
-        return "CudaShmUser needs cupy (pip install -c constraints.txt cupy-cuda12x, or cupy-cuda11x)"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # no driver or no device: cupy raises CUDARuntimeError
-        return f"CudaShmUser needs a CUDA GPU; none is usable here ({exc})"
-    if device_id >= count:
-        return f"CudaShmUser: LOADTEST_CUDA_DEVICE={device_id}, but {count} GPU(s) are visible"
-    try:
-        import tritonclient.utils.cuda_shared_memory  # noqa: F401
-    except Exception as exc:  # RuntimeError without cuda-python
-        return f"CudaShmUser needs tritonclient's CUDA shared-memory utilities: {exc}"
-    return None
+        from colibri.cuda_shm import host_problem
+    except ImportError as exc:
+        return f"CudaShmUser needs the colibri package (its cuda_shm module) on the server's host: {exc}"
+    problem = host_problem(device_id)
+    return f"CudaShmUser {problem}" if problem else None
 
 
 @events.init.add_listener
@@ -378,7 +372,7 @@ class CudaShmUser(GrpcUser):
     and names both regions; nothing crosses the wire but the request header. Latency is the round
     trip; the output stays on the GPU, as a GPU consumer would take it, its shape checked from the
     reply. GPU arrays are cupy's; bf16 rows are held as their uint16 bits (cupy has no bfloat16), which
-    is all a byte copy into the region needs."""
+    is all a byte copy into the region needs. Regions are colibri.cuda_shm's."""
     protocol = "cudashm"
     device_id = int(os.environ.get("LOADTEST_CUDA_DEVICE", "0"))
 
@@ -387,8 +381,8 @@ class CudaShmUser(GrpcUser):
         if problem:
             raise RuntimeError(problem)
         import cupy
-        import tritonclient.utils.cuda_shared_memory as cudashm
-        self.cudashm, self.regions = cudashm, []
+        from colibri.cuda_shm import CudaShmRegion
+        self.regions = []
         super().on_start()
         key = (self.shape["hidden"], self.shape["wire"])
         pool = _gpu_pools.get(key)
@@ -400,20 +394,19 @@ class CudaShmUser(GrpcUser):
         self.row_bytes = self.shape["hidden"] * pool.itemsize
         nbytes = self.prefill_range[1] * self.row_bytes
         tag = f"locust_{os.getpid()}_{id(self):x}"
-        self.input_region, self.output_region = f"{tag}_in", f"{tag}_out"
-        for name in (self.input_region, self.output_region):
-            handle = cudashm.create_shared_memory_region(name, nbytes, self.device_id)
-            self.regions.append((name, handle))
-            self.client.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), self.device_id, nbytes)
-        self.handle_in = self.regions[0][1]
+        for suffix in ("in", "out"):
+            region = CudaShmRegion(f"{tag}_{suffix}", nbytes, self.device_id)
+            self.regions.append(region)
+            region.register(self.client)
+        self.input_region, self.output_region = self.regions
 
     def on_stop(self):
-        for name, handle in reversed(getattr(self, "regions", [])):
+        for region in reversed(getattr(self, "regions", [])):
             try:
-                self.client.unregister_cuda_shared_memory(name)
+                region.unregister(self.client)
             except Exception:  # Triton may still hold an output region for a moment; the server frees it
                 pass
-            self.cudashm.destroy_shared_memory_region(handle)
+            region.free()
         self.regions = []
         if getattr(self, "client", None) is not None:
             super().on_stop()
@@ -421,11 +414,11 @@ class CudaShmUser(GrpcUser):
     def prepare(self, tokens: int):
         nbytes = tokens * self.row_bytes
         # a leading-rows slice of a C-contiguous array is C-contiguous: one copy into the region
-        self.cudashm.set_shared_memory_region_from_dlpack(self.handle_in, [self.gpu_pool[:tokens]])
+        self.input_region.write(self.gpu_pool[:tokens])
         tensor = grpcclient.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
-        tensor.set_shared_memory(self.input_region, nbytes)
+        tensor.set_shared_memory(self.input_region.name, nbytes)
         output = grpcclient.InferRequestedOutput("output")
-        output.set_shared_memory(self.output_region, nbytes)
+        output.set_shared_memory(self.output_region.name, nbytes)
         return [tensor], [output]
 
     def output_shape(self, result):

@@ -22,7 +22,7 @@ sys.path.insert(0, str(HERE))
 import summary as load_summary  # noqa: E402  (beside this file)
 
 LOCUSTFILE = HERE / "locustfile.py"
-USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser", "cudashm": "CudaShmUser"}  # cudashm: GPU, cupy, cuda-python
+USER_CLASSES = {"grpc": "GrpcUser", "http": "HttpUser", "cudashm": "CudaShmUser"}  # cudashm: a GPU and cupy
 GRPC_PORT = 8001  # as loadtest/locustfile.py's grpc_address
 
 

@@ -1,7 +1,10 @@
-"""CUDA shared memory with cupy alone (colibri.cuda_shm): the driver and the cupy to install, the IPC
-handle as Triton receives it over gRPC and HTTP, and on a GPU a region's bytes seen through its handle
-from another process."""
+"""CUDA shared memory with cupy alone (colibri.cuda_shm, client/cuda_shm_client.py, loadtest's
+CudaShmUser): what a host without a GPU or without cupy is told, the IPC handle as Triton receives it
+over gRPC and HTTP, and on a GPU a region's bytes seen through its handle from another process."""
 import base64
+import importlib.util
+import os
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +16,7 @@ import numpy as np
 import pytest
 
 from colibri import cuda_shm
+from colibri.testing.server import REPO_ROOT
 
 
 @pytest.mark.parametrize("text, major", [
@@ -178,3 +182,56 @@ def test_region_bytes_are_what_another_process_opens():
     finally:
         region.free()
         del pooled
+
+
+# --- what a host without a GPU or cupy is told, in one line ----------------------------------------
+
+CLIENT = REPO_ROOT / "client" / "cuda_shm_client.py"
+
+
+def without_cupy(folder):
+    """The environment of a host without cupy, whatever this one has: PYTHONPATH starts with a folder
+    whose cupy fails to import, leaving the file `imported` there (whether anything asked for it)."""
+    (folder / "cupy").mkdir(parents=True)
+    (folder / "cupy" / "__init__.py").write_text(
+        f"open({str(folder / 'imported')!r}, 'w').close()\nraise ImportError('cupy is hidden by the test')\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+
+
+def expected_without_cupy():
+    """(the line for this host without cupy, whether cupy is asked for): no driver is said before."""
+    driver = cuda_shm.nvidia_driver()
+    if driver is None:
+        return "needs a CUDA GPU, and this host has no NVIDIA driver", False
+    return f"needs cupy: {cuda_shm.cupy_advice(driver)}", True
+
+
+def test_cuda_shm_client_without_gpu_or_cupy_says_so_in_one_line(tmp_path):
+    """No driver: that, before cupy is asked for. A driver without cupy: which cupy to install for it.
+    One line, exit 2, before the checkpoint is looked for."""
+    env = without_cupy(tmp_path / "hidden")
+    result = subprocess.run([sys.executable, str(CLIENT), "--weights", str(tmp_path / "absent.colibri.safetensors")],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    message, cupy_asked = expected_without_cupy()
+    assert result.stderr.splitlines() == [f"cuda_shm_client: {message}"], result.stderr
+    assert result.stdout == ""
+    assert (tmp_path / "hidden" / "imported").exists() == cupy_asked
+
+
+@pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="needs locust (not imported here: it "
+                    "patches the standard library for gevent)")
+def test_cudashm_user_without_gpu_or_cupy_stops_the_run_in_one_line(tmp_path):
+    """The locustfile imports without cupy (GrpcUser and HttpUser run in the compose image, which has no
+    GPU); asking for CudaShmUser there stops the run at once with the same line and status 2."""
+    env = without_cupy(tmp_path / "hidden")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, "-m", "locust", "-f", "locustfile.py", "CudaShmUser", "--headless",
+                             "-u", "1", "-t", "5s", "--host", f"http://127.0.0.1:{port}"],
+                            cwd=REPO_ROOT / "loadtest", capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    message, _ = expected_without_cupy()
+    ours = [line for line in result.stderr.splitlines() if line.startswith("loadtest:")]
+    assert ours == [f"loadtest: CudaShmUser {message}"] and "Traceback" not in result.stderr, result.stderr
