@@ -1,7 +1,7 @@
 #!/bin/bash
 # Fills .whl/loadtest/ (git-ignored; WHL=DIR for another folder than .whl) with what
 # bench/serving/compare.py needs on a GPU node that reaches no registry, beyond tools/gpu/wheels.sh's
-# .whl/ (colibri's binding, tritonclient, cuda-python, the tritonserver bundle): Locust and its gevent
+# .whl/ (colibri's binding, tritonclient, the tritonserver bundle): Locust and its gevent
 # stack and tritonclient's HTTP client, as cp312 manylinux x86_64 wheels at constraints.txt's versions
 # (what it leaves unpinned resolves as the venv's does). Then one installed site-packages of both
 # folders for the node: .whl/site-py312.tar.xz (carry limits are tight).
@@ -19,14 +19,12 @@ python3 -m pip download -q "${target[@]}" -c constraints.txt -d "$whl/loadtest" 
 rm -f "$whl"/loadtest/numpy-*.whl  # the node's numpy 2 stays (its cupy needs it; tritonclient takes it)
 du -sh "$whl/loadtest"
 # One installed site-packages for the GPU node: these wheels and wheels.sh's, each package once,
-# unpacked for CPython 3.12, without tritonclient's perf_analyzer binaries and the bindings' C++
-# sources: 22 MB as .whl/site-py312.tar.xz (2026-12-06; the bindings, grpcio and ml_dtypes are most of it).
+# unpacked for CPython 3.12, without tritonclient's perf_analyzer binaries.
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
 mapfile -t wheels < <(ls "$whl"/*.whl "$whl"/loadtest/*.whl | awk -F/ '!seen[$NF]++')
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "${target[@]}" "${wheels[@]}"
 rm -rf "$site/bin"
-find "$site/cuda" \( -name '*.cpp' -o -name '*.pyx' -o -name '*.pxd' -o -name '*.h' \) -delete
 find "$site" -name tests -type d -prune -exec rm -rf {} +
 tar cJf "$whl/site-py312.tar.xz" -C "$site" .
 du -sh "$whl/site-py312.tar.xz"

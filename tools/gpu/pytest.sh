@@ -1,7 +1,7 @@
 #!/bin/bash
-# The pytest suite's GPU tests (tests/test_cuda.py, and the GPU cases of test_layer.py and
-# test_model_py.py) on a GPU machine that reaches no registry (the H200: python3 3.12 with torch,
-# cupy, numpy and nvcc). Carry .whl/pytest (tools/gpu/wheels.sh fills it: pytest, hypothesis,
+# The pytest suite's GPU tests (tests/test_cuda.py, and the GPU cases of test_layer.py,
+# test_model_py.py and test_cuda_shm.py) on a GPU machine that reaches no registry (the H200: python3
+# 3.12 with torch, cupy, numpy and nvcc). Carry .whl/pytest (tools/gpu/wheels.sh fills it: pytest, hypothesis,
 # safetensors and their dependencies, as the CI's constraints.txt pins them, and cffi, which the
 # image lacks) and a library built with the CUDA backend (LIB=...; else `make lib CUDA_ARCH=90` runs
 # there). The image's own pytest plugins are left out: its pytest-timeout does not load into the
@@ -22,7 +22,7 @@ if [ -z "$lib" ]; then
 fi
 export PYTHONPATH="$work:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}" PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 python3 backend_src/colibri/_ffi_build.py --lib "$lib" > "$out/ffi.log" 2>&1 || { tail -20 "$out/ffi.log"; exit 1; }
-[ $# -gt 0 ] || set -- tests/test_cuda.py tests/test_layer.py tests/test_model_py.py
+[ $# -gt 0 ] || set -- tests/test_cuda.py tests/test_layer.py tests/test_model_py.py tests/test_cuda_shm.py
 python3 -m pytest -q -p no:cacheprovider -rs "$@" > "$out/pytest.log" 2>&1
 status=$?
 tail -15 "$out/pytest.log"

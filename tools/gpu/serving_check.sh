@@ -3,9 +3,11 @@
 # torch (a package on its path refuses it), so the GPU instance must load and serve with cupy alone.
 # Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; DTYPE=fp8_e4m3 for fp8 experts
 # in 128 x 128 blocks, drawn and quantised with numpy: pick a smaller SHAPE; fp32 activations on the wire)
-# with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients,
-# and times the first requests with and without the instance's warm-up. Carry .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz
-# (tools/gpu/wheels.sh, then tools/gpu/loadtest_wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
+# with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients
+# and a few seconds of Locust's CudaShmUser (CUDA shared memory is cupy's, colibri.cuda_shm: the machine's
+# cupy, no cuda-python), and times the first requests with and without the instance's warm-up. Carry
+# .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz (tools/gpu/wheels.sh, then
+# tools/gpu/loadtest_wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).
 # Writes $OUT (default ./gpu-check): summary.txt, first_request.json and one log per step.
 #   usage, from the repository root: OUT=/some/dir [COLIBRI_LIB=build/libcolibri.so] tools/gpu/serving_check.sh
 set -uo pipefail
@@ -35,16 +37,12 @@ tar xJf .whl/site-py312.tar.xz -C "$work/site"
 tar xJf .whl/tritonserver-py3.12.tar.xz -C "$work/triton"
 echo 'raise ImportError("torch is not installed here (tools/gpu/serving_check.sh: the server must not need it)")' \
   > "$work/notorch/torch/__init__.py"
-# cuda-bindings 12.9 (tritonclient's CUDA shared memory) opens libcudart.so.12 by that name: the
-# bundle's CUDA 12 runtime answers to it.
-mkdir -p "$work/cudart"
-ln -sf "$(ls "$work"/triton/nvidia_pytriton.libs/libcudart-*.so.12*)" "$work/cudart/libcudart.so.12"
-export LD_LIBRARY_PATH="$work/cudart${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The bundle's pytriton/ (a namespace package there) is how `colibri serve` finds tritonserver.
 export PYTHONPATH="$work/site:$work/triton:$PWD/backend_src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 server_path="$work/notorch:$PYTHONPATH"
 
 step setup "machine" bash -c 'nvidia-smi -L; python3 --version; python3 -c "import cupy, numpy; print(\"cupy\", cupy.__version__, \"numpy\", numpy.__version__)"'
+step setup "no cuda-python among the carried packages" test ! -e "$work/site/cuda/bindings"
 lib=${COLIBRI_LIB:-}
 if [ -z "$lib" ]; then
   step build "libcolibri with the CUDA backend (sm_90)" make lib CUDA=1 CUDA_ARCH=90
@@ -117,6 +115,9 @@ step clients "HTTP/JSON client, T=7" python3 client/http_client.py "${args[@]}"
 step clients "system shared-memory client, T=7" python3 client/shm_client.py "${args[@]}"
 step clients "CUDA shared-memory client, T=7" python3 client/cuda_shm_client.py "${args[@]}"
 step clients "CUDA shared-memory client, T=512" python3 client/cuda_shm_client.py "${args[@]}" --tokens 512
+step loadtest "Locust CudaShmUser, 4 users for 5 s, no failures" python3 loadtest/run.py \
+  --host http://127.0.0.1:8000 --grpc-url 127.0.0.1:8001 --protocols cudashm --users 4 --time 5s \
+  --mix decode:1,prefill:1 --prefill-tokens 16-512 --out "$out/loadtest"
 step server_warm "inputs reached model.py in GPU memory" grep -q "arrived in GPU memory" "$out/server_warm.log"
 step server_warm "metrics" bash -c "python3 -c 'import urllib.request; print(urllib.request.urlopen(\"http://127.0.0.1:8002/metrics\").read().decode())' > '$out/metrics.txt' && grep -q '^colibri_expert_tokens_total' '$out/metrics.txt'"
 stop server_warm

@@ -1,9 +1,9 @@
 #!/bin/bash
 # Fills .whl/ (git-ignored; WHL=DIR elsewhere) with what tools/gpu/serving_check.sh needs on a GPU machine that
 # reaches no package registry (Python 3.12 with numpy 2, cupy and safetensors already there): colibri's
-# binding (cffi, pycparser), tritonclient's gRPC client and its CUDA shared-memory utilities
-# (cuda-python) with their dependencies, as cp312 manylinux wheels at constraints.txt's versions, and
-# the tritonserver of the nvidia-pytriton wheel packed for Python 3.12 by
+# binding (cffi, pycparser) and tritonclient's gRPC client with their dependencies, as cp312 manylinux
+# wheels at constraints.txt's versions (CUDA shared memory is cupy's, colibri.cuda_shm: no cuda-python),
+# and the tritonserver of the nvidia-pytriton wheel packed for Python 3.12 by
 # ../shared/tools/tritonserver-bundle.sh; .whl/pytest for tools/gpu/pytest.sh.
 #   usage (from anywhere, with PyPI reachable): tools/gpu/wheels.sh
 set -euo pipefail
@@ -17,7 +17,7 @@ target=(--only-binary=:all: --python-version 3.12 --implementation cp
         --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -c constraints.txt)
 # Wheels of an earlier run at other versions would be installed beside these: start afresh.
 rm -f "$whl"/*.whl
-python3 -m pip download -q "${target[@]}" -d "$whl" cffi pycparser 'tritonclient[grpc]' cuda-python
+python3 -m pip download -q "${target[@]}" -d "$whl" cffi pycparser 'tritonclient[grpc]'
 # The host's numpy stays: its cupy needs numpy 2, constraints.txt pins 1.x for tritonserver's stub, and
 # tritonclient 2.73 takes either.
 rm -f "$whl"/numpy-*.whl
