@@ -89,7 +89,7 @@ $(BUILD)/obj/%.o: csrc/%.c $(HEADERS)
 
 $(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
-	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (experts.cu about 8 on 2 cores); CUDA=0 skips the CUDA backend"
+	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (experts.cu about 10 on 2 cores); CUDA=0 skips the CUDA backend"
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 
 # Libraries are written beside their target and renamed over it: a server that has the old one
