@@ -92,7 +92,9 @@ $(BUILD)/tests/%: csrc/tests/%.c $(LIB_A) $(HEADERS)
 ctests: $(C_TESTS)
 
 # The Python environment: every pin comes from constraints.txt. The colibri package is installed
-# editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it.
+# editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it
+# (an editable install builds no native code: backend_src/setup.py). The distribution was called
+# colibri before colibri-moe; an old venv's copy goes first, or removing it later takes the CLI along.
 # GPU arrays on the serving path are cupy's, chosen by the host's NVIDIA driver: CUDA 12 wheels need
 # R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
 # cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
@@ -105,6 +107,7 @@ $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton pytest hypothesis safetensors setuptools wheel \
 	  locust matplotlib $(CUPY_PACKAGES)
+	$(PY) -m pip uninstall -qq -y colibri
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	@echo "colibri: venv $(VENV): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
 	touch $@
