@@ -17,6 +17,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 import setuptools
 from setuptools.command.build_ext import build_ext
@@ -95,6 +96,9 @@ class BuildNative(build_ext):
             fail(f"no C sources at {REPO / 'csrc'}: build from a Colibri checkout with pip >= 21.3 (pip "
                  "install ./backend_src; older pips build a copy of backend_src alone), not from an sdist, which "
                  "cannot carry them")
+        if not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").is_file():
+            fail(f"the extension needs Python {sys.version_info[0]}.{sys.version_info[1]}'s headers, which are "
+                 "missing (Debian/Ubuntu: apt install python3-dev)")
         if prebuilt_lib.is_file():  # made by `make`, whose extension is for another Python
             print(f"colibri-moe: building {extension.name} against {prebuilt_lib} (`make clean` first to rebuild it)")
         source_lib = prebuilt_lib if prebuilt_lib.is_file() else self.make_library()
