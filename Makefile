@@ -114,7 +114,9 @@ ctests: $(C_TESTS)
 
 # The Python environment: every pin comes from constraints.txt, and each profile below names what one
 # job installs (`make check-pins` resolves each from PyPI alone). The colibri package is installed
-# editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it.
+# editable, so `.venv/bin/python -m colibri` works from any directory once `make python` built it
+# (an editable install builds no native code: backend_src/setup.py). The distribution was called
+# colibri before colibri-moe; an old venv's copy goes first, or removing it later takes the CLI along.
 # GPU arrays on the serving path are cupy's, chosen by the host's NVIDIA driver: CUDA 12 wheels need
 # R525+, CUDA 11.8's R450+; no driver, no cupy (CPU serving). NVRTC comes as a wheel beside it, since
 # cupy compiles its kernels at run time and a driver-only host has no toolkit. CUPY=none|cupy-cuda12x|
@@ -142,6 +144,7 @@ $(VENV)/.installed: constraints.txt backend_src/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PIP_INSTALL) $(PROFILE_SERVE) $(CUPY_PACKAGES)
+	$(PY) -m pip uninstall -qq -y colibri
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e backend_src
 	@echo "colibri: venv $(VENV) ($$($(PY) --version)): $(if $(CUPY_PACKAGES),$(CUPY) for NVIDIA driver $(NVIDIA_DRIVER) (GPU serving),no cupy: $(if $(NVIDIA_DRIVER),driver $(NVIDIA_DRIVER) is older than R450,no NVIDIA driver found) (CPU serving; CUPY=cupy-cuda12x overrides))"
 	touch $@
@@ -263,7 +266,7 @@ loadtest: venv $(VENV)/.loadtest-installed
 	  --users $(LOADTEST_USERS) --mix $(LOADTEST_PROFILE) --out $(LOADTEST_OUT) --steps "$(LOADTEST_STEPS)"
 
 clean:
-	rm -rf $(BUILD) build-asan build-valgrind build-fuzz backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
+	rm -rf $(BUILD) build-asan build-valgrind build-fuzz backend_src/build backend_src/colibri/_colibri_cffi* backend_src/colibri/libcolibri.so
 
 help:
 	@awk 'NR > 1 && !/^#/ { exit } NR > 1' Makefile

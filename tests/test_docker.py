@@ -361,7 +361,7 @@ def ignored(relative, patterns):
 def test_dockerignore_keeps_host_builds_out_of_the_context():
     patterns = dockerignore_patterns()
     for host_output in ("build/obj/src/colibri.o", ".venv/bin/python", ".git/HEAD",
-                        "backend_src/colibri/libcolibri.so",
+                        "backend_src/colibri/libcolibri.so", "backend_src/build/lib/colibri/libcolibri.so",
                         "backend_src/colibri/_colibri_cffi.cpython-311-x86_64-linux-gnu.so",
                         "model_repository/colibri_moe/1/weights.colibri.safetensors"):
         assert ignored(host_output, patterns), f"{host_output} would be sent to the build context"

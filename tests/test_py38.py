@@ -26,8 +26,8 @@ MODEL_PY = REPO / "model_repository" / "colibri_moe" / "1" / "model.py"
 TARGET = "3.8"
 
 # What starts the walk: Triton imports model.py, the entrypoint runs __main__ (its demo command),
-# the build stage runs _ffi_build.py.
-ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py"]
+# the build stage runs _ffi_build.py and, for `pip wheel`, setup.py.
+ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py", PACKAGE.parent / "setup.py"]
 # Imported only for developer commands, which are documented as 3.10+ (backend_src/pyproject.toml).
 DEVELOPER_TOOLS = {"pack", "serve", "bench", "testing", "reference"}
 # The modules the walk must find, so that a change to how it reads imports cannot shrink the check.

@@ -8,8 +8,8 @@ from colibri import checkpoint
 from colibri._native import ColibriError
 from colibri.config import EXPERT_KINDS, ROUTINGS
 
-# The runtime and `demo`/`info` run on Python 3.8 (the CUDA 11.8 image); these are developer tools,
-# written for and tested on 3.10+ only (backend_src/pyproject.toml).
+# The runtime and `demo`/`info`/`probe`/`watch` run on Python 3.8 (the CUDA 11.8 image); these are
+# developer tools, written for and tested on 3.10+ only (backend_src/pyproject.toml).
 DEVELOPER_COMMANDS = ("pack", "serve", "bench")
 
 
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DEVELOPER_COMMANDS and sys.version_info < (3, 10):
         print(f"colibri {argv[0]}: needs Python 3.10 or newer, this is {sys.version.split()[0]} "
-              "(on Python 3.8 only demo and info are supported)", file=sys.stderr)
+              "(before 3.10: demo, info, probe and watch)", file=sys.stderr)
         return 2
     if argv and argv[0] in ("serve", "bench"):
         return _delegate(argv[0], argv[1:])

@@ -1,10 +1,11 @@
 """Builds colibri._colibri_cffi, the cffi (API mode) extension that binds libcolibri.
 
-    python backend_src/colibri/_ffi_build.py --lib build/libcolibri.so
+    python backend_src/colibri/_ffi_build.py --lib build/libcolibri.so [--out DIR]
 
 The cdef is the block of csrc/include/colibri.h between COLIBRI_CDEF_BEGIN and COLIBRI_CDEF_END, so
 the header stays the one source of truth. The extension and a copy of libcolibri.so land side by side
-in backend_src/colibri/, linked with rpath $ORIGIN: the package folder is self-contained and keeps
+in backend_src/colibri/ (`make python`) or in --out (backend_src/setup.py, building a wheel), linked
+with rpath $ORIGIN: the package folder is self-contained and keeps
 working when copied elsewhere (a Docker image, Triton's model folder). Both are replaced by rename,
 and only when their bytes change, so rebuilding never disturbs a server that has them loaded.
 """
@@ -89,14 +90,14 @@ def read_cdef(header: pathlib.Path) -> str:
     return text[begin + len(BEGIN_MARKER):end]
 
 
-def make_ffi(header: pathlib.Path, build_dir: str = "") -> cffi.FFI:
+def make_ffi(header: pathlib.Path, build_dir: str = "", lib_dir: pathlib.Path = PACKAGE_DIR) -> cffi.FFI:
     ffi = cffi.FFI()
     ffi.cdef(read_cdef(header) + DLPACK_DECLS + CALLBACK_CDEF)
     ffi.set_source(
         "colibri._colibri_cffi",
         '#include "colibri.h"\n' + DLPACK_DECLS + CAPSULE_DESTRUCTOR_SOURCE,
         include_dirs=[str(header.parent)],
-        library_dirs=[str(PACKAGE_DIR)],
+        library_dirs=[str(lib_dir)],
         libraries=["colibri"],
         extra_link_args=["-Wl,-rpath,$ORIGIN"],
         # The build folder's name kept out of the binary: the same sources give the same bytes, so an
@@ -110,17 +111,29 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lib", required=True, type=pathlib.Path, help="the built libcolibri.so")
     parser.add_argument("--header", type=pathlib.Path, default=REPO_ROOT / "csrc/include/colibri.h")
+    parser.add_argument("--out", type=pathlib.Path, default=PACKAGE_DIR,
+                        help="folder for the extension and the library's copy (default: the package's own)")
     args = parser.parse_args(argv)
     if not args.lib.is_file():
         sys.exit(f"_ffi_build: {args.lib} not found (run make lib first)")
-    # Copy first and link against the copy, so the extension records the library it will load.
-    changed = [name for name in (install(args.lib, PACKAGE_DIR / "libcolibri.so"),) if name]
-    with tempfile.TemporaryDirectory(prefix="colibri-cffi-") as tmp:
-        ffi = make_ffi(args.header.resolve(), tmp)
-        built = pathlib.Path(ffi.compile(tmpdir=tmp, verbose=False))
-        changed += [name for name in (install(built, PACKAGE_DIR / built.name),) if name]
-    print(f"colibri: python extension in {PACKAGE_DIR.relative_to(REPO_ROOT)}: "
+    changed = build(args.lib, args.header, args.out)
+    shown = args.out.resolve()
+    shown = shown.relative_to(REPO_ROOT) if REPO_ROOT in shown.parents else shown
+    print(f"colibri: python extension in {shown}: "
           + (f"replaced {', '.join(changed)}" if changed else "up to date"))
+
+
+def build(lib: pathlib.Path, header: pathlib.Path, out: pathlib.Path) -> list:
+    """Puts a copy of lib and the extension linked to it into out; returns the names it replaced."""
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Copy first and link against the copy, so the extension records the library it will load.
+    changed = [name for name in (install(lib, out / "libcolibri.so"),) if name]
+    with tempfile.TemporaryDirectory(prefix="colibri-cffi-") as tmp:
+        ffi = make_ffi(header.resolve(), tmp, out)
+        built = pathlib.Path(ffi.compile(tmpdir=tmp, verbose=False))
+        changed += [name for name in (install(built, out / built.name),) if name]
+    return changed
 
 
 def install(source: pathlib.Path, target: pathlib.Path):
