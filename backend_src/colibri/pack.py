@@ -419,6 +419,26 @@ def _read_config(folder: pathlib.Path):
     return config
 
 
+def _model_type(hf):
+    """(config.json's model_type, the settings to read): a multimodal model's language model's where
+    that is the family pack knows."""
+    model_type = hf.get("model_type")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
+        return text["model_type"], {**hf, **text}
+    return model_type, hf
+
+
+def _unverified_advice(hf, overrides, has_config=True) -> str:
+    """What to pass to pack a model of no known family, all of it at once: --top-k too when the
+    generic reading would ask for it next (no family from `architectures`, no num_experts_per_tok)."""
+    family = next((a for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
+    if family or overrides["top_k"] is not None or hf.get("num_experts_per_tok") is not None:
+        return "pass --unverified-routing"
+    where = "config.json has" if has_config else "without config.json there is"
+    return f"pass --unverified-routing and --top-k K ({where} no num_experts_per_tok)"
+
+
 def _plan(hf, overrides, unverified: bool) -> _Plan:
     """The family's plan for config.json `hf` (None: no config.json), overrides applied."""
     supported = ", ".join(FAMILIES)
@@ -429,19 +449,18 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
     if hf is None:
         if not unverified:
             raise _fail(f"no config.json beside the weights, so the model family is unknown (supported: {supported}); "
-                        "pass --unverified-routing to pack with generic settings")
+                        f"{_unverified_advice({}, overrides, has_config=False)} to pack with generic settings")
         hf = {}
-    model_type = hf.get("model_type")
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
-        model_type, hf = text["model_type"], {**hf, **text}  # multimodal: the language model's settings
+    model_type, hf = _model_type(hf)
     if model_type in REFUSED_FAMILIES and not (unverified and model_type == "kimi_k2"):
         raise _fail(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     if model_type in FAMILIES:
         plan = FAMILIES[model_type](_resolve_aliases(hf, model_type))
     elif not unverified:
-        raise _fail(f"model_type {model_type!r} is not a family pack knows (supported: {supported}); "
-                    "pass --unverified-routing to pack it anyway, with settings that may differ from the model's")
+        unknown = "config.json has no model_type" if model_type is None else \
+            f"model_type {model_type!r} is not a family pack knows"
+        raise _fail(f"{unknown} (supported: {supported}); {_unverified_advice(hf, overrides)} to pack it anyway, "
+                    "with settings that may differ from the model's")
     else:
         family = next((ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
         plan = FAMILIES[family](_resolve_aliases(hf, family)) if family else _generic(hf, overrides)
@@ -692,6 +711,25 @@ def _found_layers(source: _Source, blocks) -> dict:
             found.setdefault(int(match["layer"]), set()).add((match["prefix"], match["block"]))
     return {layer: "{0}{layer}.{1}.".format(*min(pairs, key=lambda p: (len(p[0]), p[1])), layer=layer)
             for layer, pairs in found.items()}
+
+
+def _refuse_without_moe(source: _Source, hf, src) -> None:
+    """Refuses weights without any MoE block at once, before the family or the routing is asked
+    about: a dense model has nothing to pack whatever --unverified-routing or --top-k say."""
+    if _found_layers(source, ("block_sparse_moe", "mlp")):
+        return
+    expert = next((n for n in sorted(source.where) if "expert" in n.lower()), None)
+    if expert is not None:
+        raise _fail(f"{src}: no MoE layer pack can read: expert tensors such as {expert} are not under "
+                    "layers.N.mlp or layers.N.block_sparse_moe, the layouts pack reads")
+    model_type, _ = _model_type(hf or {})
+    count = f"{len(source.where)} tensors"
+    if model_type in FAMILIES:  # the config says MoE, the tensors do not: e.g. one shard of several
+        raise _fail(f"{src}: no MoE layer found in these {count}, though config.json's model_type {model_type!r} "
+                    "is an MoE family; pass the whole model (its folder or model.safetensors.index.json)")
+    model = f"model_type {model_type!r}; " if model_type else ""
+    raise _fail(f"{src}: no MoE layer found: a dense model ({model}none of its {count} is an expert or a router "
+                "like model.layers.N.mlp.experts.M.gate_proj.weight); pack converts MoE layers only")
 
 
 def _choose_layers(plan: _Plan, found: dict, layer):
@@ -1000,6 +1038,7 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
     source = _Source(src)
     overrides = dict(top_k=top_k, routing=routing, renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
     hf = _read_config(source.folder)
+    _refuse_without_moe(source, hf, src)
     plan = _plan(hf, overrides, unverified_routing)
     chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer)
     if layer == "all":
