@@ -408,6 +408,24 @@ def test_an_unknown_family_is_told_everything_it_needs_at_once(rng, tmp_path, co
     assert colibri.checkpoint.load(out).config.top_k == 2
 
 
+@pytest.mark.parametrize("layer, num_hidden_layers", [("7", 4), ("6", 4), ("4", 4), ("-1", 4), ("7", None)])
+def test_a_layer_out_of_range_names_the_range(rng, tmp_path, colibri_cli, layer, num_hidden_layers):
+    """--layer past the model's last layer, or negative, is out of range, named with the range and the
+    MoE layers (it used to be "not an MoE layer", or "a dense layer" where decoder_sparse_step rules
+    that index dense). Without num_hidden_layers the range comes from the tensor names (layers 0-4 here)."""
+    w = hf_weights(rng, 4, 16, 8)
+    config = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+              "moe_intermediate_size": 8}
+    if num_hidden_layers:
+        config["num_hidden_layers"] = num_hidden_layers
+    src = write_hf(tmp_path / "m", {**hf_tensors(w, "qwen", "fp32", layer=1), **hf_tensors(w, "qwen", "fp32", layer=3)},
+                   config)
+    result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors", "--layer", layer)
+    count, where = (4, "config.json num_hidden_layers=4") if num_hidden_layers else (5, "counted from the tensor names")
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"colibri pack: invalid argument: layer {layer} is out of range: the model has {count} decoder layers, "
+        f"0 to {count - 1} ({where}); MoE layers: 1, 3"], result.stderr
+
 
 @pytest.mark.parametrize("command", ["pack", "demo"])
 def test_out_into_a_missing_folder_is_one_line(rng, tmp_path, colibri_cli, command):

@@ -34,9 +34,10 @@ def _bool(text: str) -> bool:
 def _layer(text: str):
     if text == "all":
         return text
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected a layer index or 'all', got {text!r}")
+    try:
+        return int(text)  # a negative one too: pack refuses it naming the model's range of layers
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer index or 'all', got {text!r}") from None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -77,6 +77,7 @@ from colibri.config import ROUTINGS, LayerConfig
 
 MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
                       r"(?:gate\.weight|router\.weight|experts\.)")
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 VERIFY_TOLERANCE = 1e-5
 
@@ -732,8 +733,15 @@ def _refuse_without_moe(source: _Source, hf, src) -> None:
                 "like model.layers.N.mlp.experts.M.gate_proj.weight); pack converts MoE layers only")
 
 
-def _choose_layers(plan: _Plan, found: dict, layer):
-    """The (layer, prefix) pairs to pack: one layer, the first MoE layer, or all ('all')."""
+def _layer_count(source: _Source):
+    """1 + the highest decoder layer index in the tensors' names (layers.N.), or None without any."""
+    indices = [int(m[1]) for m in map(LAYER_NAME.search, source.where) if m]
+    return max(indices) + 1 if indices else None
+
+
+def _choose_layers(plan: _Plan, found: dict, layer, layer_count=None):
+    """The (layer, prefix) pairs to pack: one layer, the first MoE layer, or all ('all'). layer_count:
+    the decoder layers the tensors name, for the range when config.json has no num_hidden_layers."""
     def moe(i):
         return plan.moe_layers is None or plan.moe_layers(i)
     if plan.num_layers is not None:
@@ -742,6 +750,13 @@ def _choose_layers(plan: _Plan, found: dict, layer):
         if isinstance(layer, int) and layer in beyond:
             raise _fail(f"layer {layer} is beyond config.json num_hidden_layers={plan.num_layers} (e.g. a "
                         "multi-token-prediction layer), which transformers does not run")
+    count = plan.num_layers if plan.num_layers is not None else layer_count
+    if isinstance(layer, int) and count is not None and not 0 <= layer < count:
+        # Before asking whether it is MoE: a family's rule (e.g. decoder_sparse_step) says so of any index.
+        where = f"config.json num_hidden_layers={count}" if plan.num_layers is not None else \
+            "counted from the tensor names"
+        raise _fail(f"layer {layer} is out of range: the model has {count} decoder layers, 0 to {count - 1} "
+                    f"({where}); MoE layers: {', '.join(map(str, sorted(found))) or 'none'}")
     dense_with_experts = sorted(i for i in found if not moe(i))
     if dense_with_experts:
         raise _fail(f"layer {dense_with_experts[0]} has MoE tensors but config.json makes it dense "
@@ -1023,8 +1038,9 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
         raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16 | fp8, got {dtype!r}")
     if routing is not None and routing not in ROUTINGS:
         raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
-    if not (layer is None or layer == "all" or (isinstance(layer, int) and layer >= 0)):
-        raise _fail(f"layer: expected a layer index >= 0 or 'all', got {layer!r}")
+    # A negative index is refused with the model's range, once its layers are known (_choose_layers).
+    if not (layer is None or layer == "all" or (isinstance(layer, int) and not isinstance(layer, bool))):
+        raise _fail(f"layer: expected a layer index or 'all', got {layer!r}")
     out = pathlib.Path(out)
     if layer == "all":
         if out.exists() and not out.is_dir():
@@ -1040,7 +1056,7 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
     hf = _read_config(source.folder)
     _refuse_without_moe(source, hf, src)
     plan = _plan(hf, overrides, unverified_routing)
-    chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer)
+    chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer, _layer_count(source))
     if layer == "all":
         out.mkdir(exist_ok=True)
     configs, notes = [], []
