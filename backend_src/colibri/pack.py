@@ -1198,7 +1198,9 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     # quantization_config left out: the block is built in fp32, loaded with dequantised weights
     config_dict = {k: v for k, v in hf.items()
                    if k not in ("model_type", "transformers_version", "quantization_config")}
-    config = AutoConfig.for_model(family, **config_dict)
+    # A block built on its own never has the experts implementation a whole model would choose, so
+    # transformers warns that none is set: name its plain PyTorch one ("eager") as the reference.
+    config = AutoConfig.for_model(family, **{**config_dict, "experts_implementation": "eager"})
     block_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     block = block_class(config).to(torch.float32).eval()
     state = {}
