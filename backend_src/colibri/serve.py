@@ -281,6 +281,26 @@ def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float, serve
     raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s ({url})")
 
 
+def request_shape(config: dict):
+    """What a request to the served model sends, from its Triton config (GET .../config), for the
+    ready line: Triton refuses another width with a note about max_batch_size that is not the fix."""
+    hidden = next((t for t in config.get("input", []) if t.get("name") == "hidden_states"), None)
+    if hidden is None or len(hidden.get("dims", [])) != 1:
+        return None
+    width, datatype = hidden["dims"][0], hidden.get("data_type", "").replace("TYPE_", "")
+    return (f"hidden_states [T, {width}] {datatype} (H = {width}, the checkpoint's hidden size; T up to "
+            f"{config.get('max_batch_size')} tokens)")
+
+
+def served_request_shape(url: str):
+    """request_shape of the model answering at `url` (http://host:port), or None if it cannot say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{MODEL_NAME}/config", timeout=5) as reply:
+            return request_shape(json.loads(reply.read()))
+    except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def visible_gpu_count() -> int:
     """GPUs tritonserver will number 0..n-1: CUDA_VISIBLE_DEVICES' entries where it is set, else the
     /dev/nvidiaN device nodes (none on a host without GPU)."""
@@ -412,7 +432,9 @@ def run_server(command, env, args, weights) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, guard.forward_signal)
     guard.start()
+    shape = served_request_shape(url)
     print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
+          + (f"  input   {shape}\n" if shape else "") +
           f"  HTTP    {url}/v2/models/{MODEL_NAME}/infer\n"
           f"  gRPC    {args.host}:{args.grpc_port}\n"
           f"  metrics http://{args.host}:{args.metrics_port}/metrics\n"
