@@ -86,3 +86,25 @@ def test_verify_refuses_a_wrong_packing(written, tmp_path, monkeypatch):
     with pytest.raises(ColibriError, match="differs from transformers' Qwen3MoeSparseMoeBlock"):
         pack(src, out, renormalize=True, unverified_routing=True, verify=True, progress=False)
     assert not out.exists()
+
+
+def test_verify_leaves_no_transformers_warning(tmp_path, colibri_cli):
+    """--verify builds the family's MoE block on its own and names its experts implementation
+    (eager), as a whole model would have: without it transformers warned on every verify that
+    `config._experts_implementation` is None."""
+    write_model("mixtral", tmp_path / "src")
+    result = colibri_cli("pack", tmp_path / "src", "--out", tmp_path / "x.colibri.safetensors", "--verify", "--quiet")
+    assert result.returncode == 0 and "verified against transformers" in result.stdout, result.stderr
+    assert "ExpertsInterface" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_a_dense_model_saved_by_transformers_is_refused_at_once(model_type, tmp_path, colibri_cli):
+    """A dense model as transformers writes it: one try, one line saying it has no MoE layer."""
+    import transformers
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=H, intermediate_size=40, num_attention_heads=4,
+                                               num_key_value_heads=2, vocab_size=64, num_hidden_layers=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    result = colibri_cli("pack", tmp_path / "src", "--out", tmp_path / "x.colibri.safetensors")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"no MoE layer found: a dense model (model_type '{model_type}'; none of its" in result.stderr

@@ -215,7 +215,8 @@ def test_tensors_the_family_does_not_use_refused(rng, tmp_path, extra, colibri_c
     ("kimi_k2", "transformers has no kimi_k2 model"),
     ("jetmoe", "model_type 'jetmoe' is not a family pack knows (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, "
                "deepseek_v2, deepseek_v3, glm4_moe, gpt_oss); pass --unverified-routing"),
-    (None, "model_type None is not a family pack knows")])
+    (None, "config.json has no model_type (supported: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, "
+           "deepseek_v3, glm4_moe, gpt_oss); pass --unverified-routing to pack it anyway")])
 def test_unsupported_families_refused(rng, tmp_path, colibri_cli, model_type, message):
     config = {"num_local_experts": 4, "num_experts": 4, "num_experts_per_tok": 2}
     if model_type:
@@ -342,11 +343,88 @@ def test_pickles_refused(tmp_path, colibri_cli):
         assert result.returncode == 1 and "never loads" in result.stderr and "pickle" in result.stderr
 
 
-def test_no_moe_layer(tmp_path):
-    st.write(tmp_path / "dense.safetensors", {"model.layers.0.mlp.gate_proj.weight": np.zeros((4, 4), np.float32)})
-    with pytest.raises(colibri.ColibriError, match="no MoE layer found"):
-        pack(tmp_path / "dense.safetensors", tmp_path / "x.colibri.safetensors", progress=False, top_k=2,
-             unverified_routing=True)
+def dense_tensors(H=16, F=24, layers=2):
+    """A dense Llama-style decoder's tensors: attention and a gate/up/down MLP in every layer."""
+    tensors = {"model.embed_tokens.weight": np.zeros((11, H), np.float32), "lm_head.weight": np.zeros((11, H), np.float32)}
+    for i in range(layers):
+        for name, shape in (("self_attn.q_proj", (H, H)), ("mlp.gate_proj", (F, H)), ("mlp.up_proj", (F, H)),
+                            ("mlp.down_proj", (H, F))):
+            tensors[f"model.layers.{i}.{name}.weight"] = np.zeros(shape, np.float32)
+    return tensors
+
+
+@pytest.mark.parametrize("config", [{"model_type": "llama", "num_hidden_layers": 2}, {"model_type": "qwen2"}, None],
+                         ids=["llama", "qwen2", "no-config"])
+@pytest.mark.parametrize("options", [[], ["--unverified-routing"], ["--unverified-routing", "--top-k", "2"],
+                                     ["--top-k", "2"], ["--layer", "all"]], ids=" ".join)
+def test_a_dense_model_is_refused_at_once(tmp_path, colibri_cli, config, options):
+    """A dense model has nothing to pack: the first answer says so, whatever else was or was not given
+    (it used to advise --unverified-routing, then --top-k, before saying there is no MoE layer)."""
+    src = tmp_path / "dense"
+    src.mkdir()
+    st.write(src / "model.safetensors", dense_tensors())
+    if config is not None:
+        (src / "config.json").write_text(json.dumps(config))
+    result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors", *options)
+    model = f"model_type '{config['model_type']}'; " if config else ""
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"colibri pack: invalid argument: {src}: no MoE layer found: a dense model ({model}none of its 10 tensors "
+        "is an expert or a router like model.layers.N.mlp.experts.M.gate_proj.weight); pack converts MoE layers "
+        "only"], result.stderr
+    assert not (tmp_path / "x.colibri.safetensors").exists()
+
+
+def test_no_moe_layer_where_the_config_says_moe_or_experts_elsewhere(rng, tmp_path):
+    """Without tensors pack reads as MoE, the message tells a shard of an MoE model, and expert tensors
+    in a layout pack does not read, from a dense model."""
+    shard = tmp_path / "shard"
+    shard.mkdir()
+    st.write(shard / "model-00001-of-00002.safetensors", dense_tensors(layers=1))
+    (shard / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 4}))
+    with pytest.raises(colibri.ColibriError, match="no MoE layer found in these 6 tensors, though config.json's "
+                                                   "model_type 'mixtral' is an MoE family; pass the whole model"):
+        pack(shard / "model-00001-of-00002.safetensors", tmp_path / "x.colibri.safetensors", progress=False)
+    st.write(tmp_path / "dbrx.safetensors", {"transformer.blocks.0.ffn.experts.mlp.w1": np.zeros((4, 4), np.float32)})
+    with pytest.raises(colibri.ColibriError, match=r"no MoE layer pack can read: expert tensors such as "
+                                                   r"transformer\.blocks\.0\.ffn\.experts\.mlp\.w1 are not under"):
+        pack(tmp_path / "dbrx.safetensors", tmp_path / "x.colibri.safetensors", progress=False,
+             unverified_routing=True, top_k=2)
+
+
+@pytest.mark.parametrize("config", [{"model_type": "jetmoe", "num_local_experts": 4}, None], ids=["jetmoe", "no-config"])
+def test_an_unknown_family_is_told_everything_it_needs_at_once(rng, tmp_path, colibri_cli, config):
+    """An MoE model of no family pack knows, without num_experts_per_tok: the first refusal names both
+    --unverified-routing and --top-k, and following it packs the layer."""
+    src = write_hf(tmp_path / "src", hf_tensors(hf_weights(rng, 4, 16, 8), "qwen", "fp32"), config or {})
+    if config is None:
+        (src / "config.json").unlink()
+    out = tmp_path / "x.colibri.safetensors"
+    result = colibri_cli("pack", src, "--out", out)
+    where = "config.json has" if config else "without config.json there is"
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert f"; pass --unverified-routing and --top-k K ({where} no num_experts_per_tok) to pack" in result.stderr
+    result = colibri_cli("pack", src, "--out", out, "--unverified-routing", "--top-k", "2", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert colibri.checkpoint.load(out).config.top_k == 2
+
+
+@pytest.mark.parametrize("layer, num_hidden_layers", [("7", 4), ("6", 4), ("4", 4), ("-1", 4), ("7", None)])
+def test_a_layer_out_of_range_names_the_range(rng, tmp_path, colibri_cli, layer, num_hidden_layers):
+    """--layer past the model's last layer, or negative, is out of range, named with the range and the
+    MoE layers (it used to be "not an MoE layer", or "a dense layer" where decoder_sparse_step rules
+    that index dense). Without num_hidden_layers the range comes from the tensor names (layers 0-4 here)."""
+    w = hf_weights(rng, 4, 16, 8)
+    config = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+              "moe_intermediate_size": 8}
+    if num_hidden_layers:
+        config["num_hidden_layers"] = num_hidden_layers
+    src = write_hf(tmp_path / "m", {**hf_tensors(w, "qwen", "fp32", layer=1), **hf_tensors(w, "qwen", "fp32", layer=3)},
+                   config)
+    result = colibri_cli("pack", src, "--out", tmp_path / "x.colibri.safetensors", "--layer", layer)
+    count, where = (4, "config.json num_hidden_layers=4") if num_hidden_layers else (5, "counted from the tensor names")
+    assert result.returncode == 1 and result.stderr.splitlines() == [
+        f"colibri pack: invalid argument: layer {layer} is out of range: the model has {count} decoder layers, "
+        f"0 to {count - 1} ({where}); MoE layers: 1, 3"], result.stderr
 
 
 @pytest.mark.parametrize("command", ["pack", "demo"])

@@ -273,6 +273,15 @@ def test_metadata_and_config_give_the_checkpoints_dims(server, layer):
         == expected
 
 
+def test_ready_line_says_what_a_request_sends(server, layer):
+    """A request of another width gets Triton's own refusal, whose note advises max_batch_size 0 (not
+    the fix); the launcher's ready line says what is: hidden_states [T, H] with the served H."""
+    H = layer.config.hidden_size
+    assert (f"  input   hidden_states [T, {H}] FP32 (H = {H}, the checkpoint's hidden size; T up to 4096 tokens)\n"
+            in server.log_path.read_text()), server.log_tail()
+    assert serve.request_shape({"input": [{"name": "topk_ids", "dims": [2]}]}) is None
+
+
 def test_second_launch_on_a_taken_port_fails_naming_it(server, weights):
     http_port = int(server.http_url.rsplit(":", 1)[1])
     grpc_port, metrics_port = serve.free_ports(2)

@@ -34,67 +34,98 @@ def _bool(text: str) -> bool:
 def _layer(text: str):
     if text == "all":
         return text
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(f"expected a layer index or 'all', got {text!r}")
+    try:
+        return int(text)  # a negative one too: pack refuses it naming the model's range of layers
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer index or 'all', got {text!r}") from None
+
+
+def _help_option(parser) -> None:
+    # argparse's own "-h" help is not a sentence; every help paragraph here is one (tests/test_help.py).
+    parser.add_argument("-h", "--help", action="help", help="Show this help and exit.")
+
+
+def _subparser(sub, name, **kwargs) -> argparse.ArgumentParser:
+    parser = sub.add_parser(name, add_help=False, **kwargs)
+    _help_option(parser)
+    return parser
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m colibri", description="Colibri MoE layer engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("serve", help="serve with tritonserver (options: python -m colibri serve --help)")
-    sub.add_parser("bench", help="benchmarks (options: python -m colibri bench --help)")
-    sub.add_parser("probe", help="liveness: one real one-token request (options: python -m colibri probe --help)")
-    sub.add_parser("watch", help="run a server command and restart it when it dies or stops answering "
-                                 "(python -m colibri watch --help)")
+    parser = argparse.ArgumentParser(prog="python -m colibri", add_help=False,
+                                     description="Colibri, a Mixture-of-Experts layer engine served by Triton.")
+    _help_option(parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="One of the commands below; `python -m colibri COMMAND --help` gives its options.")
+    sub.add_parser("serve", help="Serve the model with tritonserver on this host.")
+    sub.add_parser("bench", help="Run the benchmarks.")
+    sub.add_parser("probe", help="Check liveness with one real one-token request.")
+    sub.add_parser("watch", help="Run a server command and restart it when it dies or stops answering.")
 
-    pack = sub.add_parser("pack", help="convert MoE layers of a Hugging Face safetensors checkpoint (families: "
-                                        "python -m colibri pack --help)",
-                          description="Packs MoE layers of a Hugging Face model whose config.json names a family "
-                                      "pack knows: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, "
-                                      "glm4_moe, gpt_oss (its MXFP4 experts are dequantised to bf16, exactly). "
-                                      "fp8 e4m3 checkpoints (quantization_config quant_method fp8, fbgemm_fp8 or "
-                                      "compressed-tensors: block, per-channel or per-tensor scales) are packed as "
-                                      "stored. Anything else is refused unless --unverified-routing.")
-    pack.add_argument("src", help="a .safetensors file, a folder of shards, or a model.safetensors.index.json")
-    pack.add_argument("--out", required=True, help="output *.colibri.safetensors (with --layer all: a folder, "
-                                                   "written with layer{N}.colibri.safetensors)")
-    pack.add_argument("--layer", type=_layer, help="decoder layer index, or 'all' (default: the first MoE layer)")
+    pack = _subparser(sub, "pack", help="Convert MoE layers of a Hugging Face safetensors checkpoint.",
+                      description="Packs MoE layers of a Hugging Face model whose config.json names a family "
+                                  "pack knows: mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, "
+                                  "glm4_moe, gpt_oss (its MXFP4 experts are dequantised to bf16, exactly). "
+                                  "fp8 e4m3 checkpoints (quantization_config quant_method fp8, fbgemm_fp8 or "
+                                  "compressed-tensors: block, per-channel or per-tensor scales) are packed as "
+                                  "stored. A dense model (no MoE layer) is refused at once; another model_type or "
+                                  "a folder without config.json only with --unverified-routing.")
+    pack.add_argument("src", help="A .safetensors file, a folder of shards, or a model.safetensors.index.json.")
+    pack.add_argument("--out", required=True, metavar="FILE",
+                      help="The *.colibri.safetensors file to write (with --layer all: a folder, written with "
+                           "layer{N}.colibri.safetensors files).")
+    pack.add_argument("--layer", type=_layer, metavar="N",
+                      help="The decoder layer to pack, from 0, or 'all' for every MoE layer (default: the first "
+                           "MoE layer).")
     pack.add_argument("--dtype", default="keep", choices=("keep", "bf16", "fp16", "fp32", "fp8"),
-                      help="the packed experts' dtype (default: the source's). fp8: e4m3, an fp8 source as stored, "
-                           "any other quantised in 128x128 blocks (scale = amax / 448); bf16, fp16, fp32 from an fp8 "
-                           "source: dequantised")
+                      help="The packed experts' dtype (default: keep, the source's). fp8: e4m3, an fp8 source as "
+                           "stored, any other quantised in 128x128 blocks (scale = amax / 448); bf16, fp16, fp32 "
+                           "from an fp8 source: dequantised.")
     pack.add_argument("--verify", action="store_true",
-                      help="compare each packed layer with transformers' own MoE block (needs torch and "
-                           "transformers; loaded with the weights the packed layer holds, fp8 ones dequantised); a "
-                           "layer off by more than 1e-5 is deleted and pack fails")
+                      help="Compare each packed layer with transformers' own MoE block (needs torch and "
+                           "transformers; loaded with the weights the packed layer holds, fp8 ones dequantised); "
+                           "a layer off by more than 1e-5 is deleted and pack fails.")
     pack.add_argument("--unverified-routing", action="store_true",
-                      help="accept an unknown model_type or no config.json, and the overrides below: the layer "
-                           "may then compute something other than the model")
-    pack.add_argument("--top-k", type=int, help="override config.json num_experts_per_tok (--unverified-routing)")
-    pack.add_argument("--routing", choices=ROUTINGS, help="override the family's routing (--unverified-routing)")
-    pack.add_argument("--renormalize", type=_bool, help="override norm_topk_prob, true|false (--unverified-routing)")
-    pack.add_argument("--routed-scaling-factor", type=float,
-                      help="override config.json routed_scaling_factor (--unverified-routing)")
-    pack.add_argument("--quiet", action="store_true", help="no progress bar")
+                      help="Accept an unknown model_type or no config.json, and the overrides below: the layer "
+                           "may then compute something other than the model.")
+    pack.add_argument("--top-k", type=int, metavar="K",
+                      help="Override config.json num_experts_per_tok (with --unverified-routing).")
+    pack.add_argument("--routing", choices=ROUTINGS,
+                      help="Override the family's routing (with --unverified-routing).")
+    pack.add_argument("--renormalize", type=_bool, metavar="true|false",
+                      help="Override norm_topk_prob (with --unverified-routing).")
+    pack.add_argument("--routed-scaling-factor", type=float, metavar="X",
+                      help="Override config.json routed_scaling_factor (with --unverified-routing).")
+    pack.add_argument("--quiet", action="store_true", help="Print no progress bar.")
 
-    demo = sub.add_parser("demo", help="write a synthetic demo checkpoint")
+    demo = _subparser(sub, "demo", help="Write a synthetic demo checkpoint.",
+                      description="Writes a packed checkpoint of random weights (normal, of variance 1/fan_in) "
+                                  "with a router, to serve or benchmark without a real model.")
     d = checkpoint.DEMO_DEFAULTS
-    demo.add_argument("--out", required=True)
-    demo.add_argument("--experts", type=int, default=d["experts"])
-    demo.add_argument("--top-k", type=int, default=d["top_k"])
-    demo.add_argument("--hidden", type=int, default=d["hidden"])
-    demo.add_argument("--intermediate", type=int, default=d["intermediate"])
+    demo.add_argument("--out", required=True, metavar="FILE", help="The *.colibri.safetensors file to write.")
+    demo.add_argument("--experts", type=int, default=d["experts"], metavar="E",
+                      help="Number of experts (default: %(default)s).")
+    demo.add_argument("--top-k", type=int, default=d["top_k"], metavar="K",
+                      help="Experts per token (default: %(default)s).")
+    demo.add_argument("--hidden", type=int, default=d["hidden"], metavar="H",
+                      help="Hidden size, the width of a request's tokens (default: %(default)s).")
+    demo.add_argument("--intermediate", type=int, default=d["intermediate"], metavar="F",
+                      help="Each expert's intermediate size (default: %(default)s).")
     demo.add_argument("--dtype", default=d["dtype"], choices=("bf16", "fp16", "fp32", "fp8"),
-                      help="the experts' dtype; fp8: e4m3 with 128x128 scale blocks")
-    demo.add_argument("--seed", type=int, default=d["seed"])
-    demo.add_argument("--routing", default=d["routing"], choices=ROUTINGS)
-    demo.add_argument("--kind", default=d["kind"], choices=EXPERT_KINDS)
-    demo.add_argument("--renormalize", type=_bool, default=None)
-    demo.add_argument("--routed-scaling-factor", type=float, default=1.0)
+                      help="The experts' dtype; fp8: e4m3 with 128x128 scale blocks (default: %(default)s).")
+    demo.add_argument("--seed", type=int, default=d["seed"], help="Random seed (default: %(default)s).")
+    demo.add_argument("--routing", default=d["routing"], choices=ROUTINGS,
+                      help="The built-in routing (default: %(default)s).")
+    demo.add_argument("--kind", default=d["kind"], choices=EXPERT_KINDS,
+                      help="The experts' kind (default: %(default)s).")
+    demo.add_argument("--renormalize", type=_bool, default=None, metavar="true|false",
+                      help="Whether the top-k weights are renormalised (default: true).")
+    demo.add_argument("--routed-scaling-factor", type=float, default=1.0, metavar="X",
+                      help="Factor on the routing weights (default: %(default)s).")
 
-    info = sub.add_parser("info", help="print a packed checkpoint's configuration")
-    info.add_argument("file")
+    info = _subparser(sub, "info", help="Print a packed checkpoint's configuration.",
+                      description="Prints a packed checkpoint's configuration, tensors and metadata.")
+    info.add_argument("file", help="A *.colibri.safetensors file.")
     return parser
 
 

@@ -77,6 +77,7 @@ from colibri.config import ROUTINGS, LayerConfig
 
 MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
                       r"(?:gate\.weight|router\.weight|experts\.)")
+LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 VERIFY_TOLERANCE = 1e-5
 
@@ -419,6 +420,26 @@ def _read_config(folder: pathlib.Path):
     return config
 
 
+def _model_type(hf):
+    """(config.json's model_type, the settings to read): a multimodal model's language model's where
+    that is the family pack knows."""
+    model_type = hf.get("model_type")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
+        return text["model_type"], {**hf, **text}
+    return model_type, hf
+
+
+def _unverified_advice(hf, overrides, has_config=True) -> str:
+    """What to pass to pack a model of no known family, all of it at once: --top-k too when the
+    generic reading would ask for it next (no family from `architectures`, no num_experts_per_tok)."""
+    family = next((a for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
+    if family or overrides["top_k"] is not None or hf.get("num_experts_per_tok") is not None:
+        return "pass --unverified-routing"
+    where = "config.json has" if has_config else "without config.json there is"
+    return f"pass --unverified-routing and --top-k K ({where} no num_experts_per_tok)"
+
+
 def _plan(hf, overrides, unverified: bool) -> _Plan:
     """The family's plan for config.json `hf` (None: no config.json), overrides applied."""
     supported = ", ".join(FAMILIES)
@@ -429,19 +450,18 @@ def _plan(hf, overrides, unverified: bool) -> _Plan:
     if hf is None:
         if not unverified:
             raise _fail(f"no config.json beside the weights, so the model family is unknown (supported: {supported}); "
-                        "pass --unverified-routing to pack with generic settings")
+                        f"{_unverified_advice({}, overrides, has_config=False)} to pack with generic settings")
         hf = {}
-    model_type = hf.get("model_type")
-    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
-        model_type, hf = text["model_type"], {**hf, **text}  # multimodal: the language model's settings
+    model_type, hf = _model_type(hf)
     if model_type in REFUSED_FAMILIES and not (unverified and model_type == "kimi_k2"):
         raise _fail(f"model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     if model_type in FAMILIES:
         plan = FAMILIES[model_type](_resolve_aliases(hf, model_type))
     elif not unverified:
-        raise _fail(f"model_type {model_type!r} is not a family pack knows (supported: {supported}); "
-                    "pass --unverified-routing to pack it anyway, with settings that may differ from the model's")
+        unknown = "config.json has no model_type" if model_type is None else \
+            f"model_type {model_type!r} is not a family pack knows"
+        raise _fail(f"{unknown} (supported: {supported}); {_unverified_advice(hf, overrides)} to pack it anyway, "
+                    "with settings that may differ from the model's")
     else:
         family = next((ARCHITECTURES[a] for a in hf.get("architectures") or [] if a in ARCHITECTURES), None)
         plan = FAMILIES[family](_resolve_aliases(hf, family)) if family else _generic(hf, overrides)
@@ -694,8 +714,34 @@ def _found_layers(source: _Source, blocks) -> dict:
             for layer, pairs in found.items()}
 
 
-def _choose_layers(plan: _Plan, found: dict, layer):
-    """The (layer, prefix) pairs to pack: one layer, the first MoE layer, or all ('all')."""
+def _refuse_without_moe(source: _Source, hf, src) -> None:
+    """Refuses weights without any MoE block at once, before the family or the routing is asked
+    about: a dense model has nothing to pack whatever --unverified-routing or --top-k say."""
+    if _found_layers(source, ("block_sparse_moe", "mlp")):
+        return
+    expert = next((n for n in sorted(source.where) if "expert" in n.lower()), None)
+    if expert is not None:
+        raise _fail(f"{src}: no MoE layer pack can read: expert tensors such as {expert} are not under "
+                    "layers.N.mlp or layers.N.block_sparse_moe, the layouts pack reads")
+    model_type, _ = _model_type(hf or {})
+    count = f"{len(source.where)} tensors"
+    if model_type in FAMILIES:  # the config says MoE, the tensors do not: e.g. one shard of several
+        raise _fail(f"{src}: no MoE layer found in these {count}, though config.json's model_type {model_type!r} "
+                    "is an MoE family; pass the whole model (its folder or model.safetensors.index.json)")
+    model = f"model_type {model_type!r}; " if model_type else ""
+    raise _fail(f"{src}: no MoE layer found: a dense model ({model}none of its {count} is an expert or a router "
+                "like model.layers.N.mlp.experts.M.gate_proj.weight); pack converts MoE layers only")
+
+
+def _layer_count(source: _Source):
+    """1 + the highest decoder layer index in the tensors' names (layers.N.), or None without any."""
+    indices = [int(m[1]) for m in map(LAYER_NAME.search, source.where) if m]
+    return max(indices) + 1 if indices else None
+
+
+def _choose_layers(plan: _Plan, found: dict, layer, layer_count=None):
+    """The (layer, prefix) pairs to pack: one layer, the first MoE layer, or all ('all'). layer_count:
+    the decoder layers the tensors name, for the range when config.json has no num_hidden_layers."""
     def moe(i):
         return plan.moe_layers is None or plan.moe_layers(i)
     if plan.num_layers is not None:
@@ -704,6 +750,13 @@ def _choose_layers(plan: _Plan, found: dict, layer):
         if isinstance(layer, int) and layer in beyond:
             raise _fail(f"layer {layer} is beyond config.json num_hidden_layers={plan.num_layers} (e.g. a "
                         "multi-token-prediction layer), which transformers does not run")
+    count = plan.num_layers if plan.num_layers is not None else layer_count
+    if isinstance(layer, int) and count is not None and not 0 <= layer < count:
+        # Before asking whether it is MoE: a family's rule (e.g. decoder_sparse_step) says so of any index.
+        where = f"config.json num_hidden_layers={count}" if plan.num_layers is not None else \
+            "counted from the tensor names"
+        raise _fail(f"layer {layer} is out of range: the model has {count} decoder layers, 0 to {count - 1} "
+                    f"({where}); MoE layers: {', '.join(map(str, sorted(found))) or 'none'}")
     dense_with_experts = sorted(i for i in found if not moe(i))
     if dense_with_experts:
         raise _fail(f"layer {dense_with_experts[0]} has MoE tensors but config.json makes it dense "
@@ -985,8 +1038,9 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
         raise _fail(f"dtype: expected keep | fp32 | fp16 | bf16 | fp8, got {dtype!r}")
     if routing is not None and routing not in ROUTINGS:
         raise _fail(f"routing: expected {' | '.join(ROUTINGS)}, got {routing!r}")
-    if not (layer is None or layer == "all" or (isinstance(layer, int) and layer >= 0)):
-        raise _fail(f"layer: expected a layer index >= 0 or 'all', got {layer!r}")
+    # A negative index is refused with the model's range, once its layers are known (_choose_layers).
+    if not (layer is None or layer == "all" or (isinstance(layer, int) and not isinstance(layer, bool))):
+        raise _fail(f"layer: expected a layer index or 'all', got {layer!r}")
     out = pathlib.Path(out)
     if layer == "all":
         if out.exists() and not out.is_dir():
@@ -1000,8 +1054,9 @@ def pack(src, out, layer=None, dtype="keep", top_k=None, routing=None, renormali
     source = _Source(src)
     overrides = dict(top_k=top_k, routing=routing, renormalize=renormalize, routed_scaling_factor=routed_scaling_factor)
     hf = _read_config(source.folder)
+    _refuse_without_moe(source, hf, src)
     plan = _plan(hf, overrides, unverified_routing)
-    chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer)
+    chosen = _choose_layers(plan, _found_layers(source, plan.blocks), layer, _layer_count(source))
     if layer == "all":
         out.mkdir(exist_ok=True)
     configs, notes = [], []
@@ -1143,7 +1198,9 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     # quantization_config left out: the block is built in fp32, loaded with dequantised weights
     config_dict = {k: v for k, v in hf.items()
                    if k not in ("model_type", "transformers_version", "quantization_config")}
-    config = AutoConfig.for_model(family, **config_dict)
+    # A block built on its own never has the experts implementation a whole model would choose, so
+    # transformers warns that none is set: name its plain PyTorch one ("eager") as the reference.
+    config = AutoConfig.for_model(family, **{**config_dict, "experts_implementation": "eager"})
     block_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     block = block_class(config).to(torch.float32).eval()
     state = {}

@@ -281,6 +281,26 @@ def wait_until_ready(server: subprocess.Popen, url: str, timeout_s: float, serve
     raise ServeError(f"tritonserver was not ready after {timeout_s:.0f} s ({url})")
 
 
+def request_shape(config: dict):
+    """What a request to the served model sends, from its Triton config (GET .../config), for the
+    ready line: Triton refuses another width with a note about max_batch_size that is not the fix."""
+    hidden = next((t for t in config.get("input", []) if t.get("name") == "hidden_states"), None)
+    if hidden is None or len(hidden.get("dims", [])) != 1:
+        return None
+    width, datatype = hidden["dims"][0], hidden.get("data_type", "").replace("TYPE_", "")
+    return (f"hidden_states [T, {width}] {datatype} (H = {width}, the checkpoint's hidden size; T up to "
+            f"{config.get('max_batch_size')} tokens)")
+
+
+def served_request_shape(url: str):
+    """request_shape of the model answering at `url` (http://host:port), or None if it cannot say."""
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{MODEL_NAME}/config", timeout=5) as reply:
+            return request_shape(json.loads(reply.read()))
+    except (urllib.error.URLError, OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
 def visible_gpu_count() -> int:
     """GPUs tritonserver will number 0..n-1: CUDA_VISIBLE_DEVICES' entries where it is set, else the
     /dev/nvidiaN device nodes (none on a host without GPU)."""
@@ -308,27 +328,51 @@ def positive_int(text: str) -> int:
     return value
 
 
+DESCRIPTION = (
+    "Runs the real tritonserver of the nvidia-pytriton wheel on the Colibri model repository, serving "
+    f"{MODEL_NAME} over HTTP and gRPC, until Ctrl-C or SIGTERM. The launcher restarts tritonserver, on the same "
+    "ports, when it exits unbidden or stops answering its liveness probes.")
+EPILOG = (
+    f"A request sends hidden_states [T, H], with H the served checkpoint's hidden size: GET "
+    f"/v2/models/{MODEL_NAME}/config shows it (the dims of hidden_states), and so does `python -m colibri info "
+    "FILE`. Check a running server with `python -m colibri probe --url http://127.0.0.1:8000`.")
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m colibri serve", description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="127.0.0.1", help="address the three endpoints bind to")
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY)
-    parser.add_argument("--weights", type=Path, default=None,
-                        help="packed checkpoint (*.colibri.safetensors); default: a demo checkpoint "
-                             f"in {MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME}, written if missing")
+    # Every help text is a whole sentence: tests/test_help.py reads them as printed at 80 columns.
+    parser = argparse.ArgumentParser(prog="python -m colibri serve", description=DESCRIPTION, epilog=EPILOG,
+                                     add_help=False)
+    parser.add_argument("-h", "--help", action="help", help="Show this help and exit.")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address the HTTP, gRPC and metrics endpoints bind to (default: %(default)s; "
+                             "0.0.0.0: every interface).")
+    parser.add_argument("--http-port", type=int, default=8000, metavar="PORT",
+                        help="Port of the HTTP/REST endpoint (default: %(default)s).")
+    parser.add_argument("--grpc-port", type=int, default=8001, metavar="PORT",
+                        help="Port of the gRPC endpoint (default: %(default)s).")
+    parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT",
+                        help="Port of the Prometheus metrics endpoint (default: %(default)s).")
+    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY, metavar="DIR",
+                        help="The Triton model repository to serve (default: this checkout's model_repository).")
+    parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
+                        help="The packed checkpoint to serve, a *.colibri.safetensors file (default: "
+                             f"{MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME} in the model repository, where a demo "
+                             "checkpoint is written if there is none).")
     parser.add_argument("--device", choices=sorted(INSTANCE_KINDS), default="auto",
-                        help="auto: one instance per GPU, or one CPU instance on a host without GPU")
+                        help="Where the model runs: auto (one instance per GPU, or one CPU instance on a host "
+                             "without a GPU), cpu or gpu (default: %(default)s).")
     parser.add_argument("--dtype", choices=sorted(TRITON_DTYPES), default="fp32",
-                        help="dtype of hidden_states and output on the wire")
-    parser.add_argument("--instances", type=positive_int, default=1,
-                        help="model instances per GPU (each a process with its own copy of the weights: one "
-                             "instance's host work overlaps another's GPU work), or in all on the CPU")
-    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for readiness")
-    parser.add_argument("--cuda-memory-pool-mb", type=int, default=DEFAULT_CUDA_POOL_MB,
-                        help="per-GPU CUDA memory pool through which the Python backend passes GPU tensors "
-                             "(0: Triton's default of 64 MB; ignored without GPU)")
+                        help="The datatype of hidden_states and output on the wire (default: %(default)s).")
+    parser.add_argument("--instances", type=positive_int, default=1, metavar="N",
+                        help="Model instances per GPU, or in all on the CPU (default: %(default)s). Each is a "
+                             "process with its own copy of the weights; one instance's host work overlaps "
+                             "another's GPU work.")
+    parser.add_argument("--ready-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="How long tritonserver has to load the model and report ready, at the start and "
+                             "after each restart (default: %(default)g).")
+    parser.add_argument("--cuda-memory-pool-mb", type=int, default=DEFAULT_CUDA_POOL_MB, metavar="MB",
+                        help="The per-GPU CUDA memory pool through which the Python backend passes GPU tensors "
+                             "(default: %(default)s; 0: Triton's own 64 MB; ignored without a GPU).")
     watchdog.add_probe_arguments(parser)
     return parser.parse_args(argv)
 
@@ -388,7 +432,9 @@ def run_server(command, env, args, weights) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, guard.forward_signal)
     guard.start()
+    shape = served_request_shape(url)
     print(f"colibri serve: {MODEL_NAME} ready (weights {weights}, device {args.device}, dtype {args.dtype})\n"
+          + (f"  input   {shape}\n" if shape else "") +
           f"  HTTP    {url}/v2/models/{MODEL_NAME}/infer\n"
           f"  gRPC    {args.host}:{args.grpc_port}\n"
           f"  metrics http://{args.host}:{args.metrics_port}/metrics\n"

@@ -306,15 +306,16 @@ def backend_stubs(regions) -> list:
 
 
 def add_probe_arguments(parser) -> None:
-    parser.add_argument("--probe-interval", type=float, default=INTERVAL_S,
-                        help="seconds between liveness probes (one-token requests) while the server answers; "
-                             "0: no probes, restart only a server that exits")
-    parser.add_argument("--probe-failures", type=int, default=FAILURES,
-                        help="failed probes in a row that make the watchdog restart tritonserver")
-    parser.add_argument("--probe-retry-interval", type=float, default=RETRY_INTERVAL_S,
-                        help="seconds between probes after a failed one")
-    parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S,
-                        help="seconds a probe waits for its answer")
+    parser.add_argument("--probe-interval", type=float, default=INTERVAL_S, metavar="SECONDS",
+                        help="Seconds between liveness probes (one-token requests) while the server answers "
+                             "(default: %(default)g; 0: no probes, restart only a server that exits).")
+    parser.add_argument("--probe-failures", type=int, default=FAILURES, metavar="N",
+                        help="Failed probes in a row that make the watchdog restart tritonserver "
+                             "(default: %(default)s).")
+    parser.add_argument("--probe-retry-interval", type=float, default=RETRY_INTERVAL_S, metavar="SECONDS",
+                        help="Seconds between probes after a failed one (default: %(default)g).")
+    parser.add_argument("--probe-timeout", type=float, default=PROBE_TIMEOUT_S, metavar="SECONDS",
+                        help="Seconds a probe waits for its answer (default: %(default)g).")
 
 
 def watchdog_from_args(launch, wait_ready, url, model, args) -> Watchdog:
