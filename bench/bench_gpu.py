@@ -469,8 +469,6 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
                 t_grouped = float("nan")
             counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
-            t_read, read_status = read_ceiling(timer, Q, counts.tolist())
-            t_mm, mm_status = scaled_mm_ceiling(timer, Q, counts.tolist(), T)
             nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
             flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3

@@ -14,7 +14,7 @@ from colibri import checkpoint, reference  # noqa: E402
 from colibri._native import HAS_CONTEXT_CREATE  # noqa: E402
 from colibri.pack import block_forward, pack, routing_ties  # noqa: E402
 from colibri.testing import relative_error  # noqa: E402
-from colibri.testing.families import FAMILIES, H, moe_blocks, write_model  # noqa: E402
+from colibri.testing.families import FAMILIES, GPT_OSS_SWIGLU, H, moe_blocks, write_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +108,73 @@ def test_a_dense_model_saved_by_transformers_is_refused_at_once(model_type, tmp_
     result = colibri_cli("pack", tmp_path / "src", "--out", tmp_path / "x.colibri.safetensors")
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert f"no MoE layer found: a dense model (model_type '{model_type}'; none of its" in result.stderr
+
+
+def test_gpt_oss_clamps_bite(written):
+    """The gpt-oss comparisons above exercise the clamped SwiGLU at the released limit: on their tokens a good
+    share of the routed experts' gate values pass the limit (clamped above), and of the up values +-limit."""
+    model, _, configs = written("gpt_oss")
+    limit = configs[0].activation_limit
+    for index, block in moe_blocks(model).items():
+        x = np.random.default_rng(index).standard_normal((48, H))
+        router = block.router.weight.detach().double().numpy(), block.router.bias.detach().double().numpy()
+        ids = np.argsort(-(x @ router[0].T + router[1]), axis=1)[:, :configs[0].top_k]  # the top-k experts
+        gate_up = block.experts.gate_up_proj.detach().double().numpy()[ids]  # [T, k, H, 2F], interleaved
+        h = np.einsum("th,tkhf->tkf", x, gate_up) + block.experts.gate_up_proj_bias.detach().double().numpy()[ids]
+        gate, up = h[..., 0::2], h[..., 1::2]
+        assert (gate > limit).mean() > 0.05 and (np.abs(up) > limit).mean() > 0.05, f"layer {index}"
+
+
+def fixed_swiglu(monkeypatch):
+    """transformers' GptOssExperts made to compute as the releases before 5.19 do: 1.702 and 7.0 whatever
+    config.json says."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    experts = modeling_gpt_oss.GptOssExperts
+    original = experts.__init__
+
+    def init(self, config):
+        original(self, config)
+        self.alpha, self.limit = 1.702, 7.0
+    monkeypatch.setattr(experts, "__init__", init)
+
+
+def test_gpt_oss_swiglu_from_config(tmp_path):
+    """A clamped SwiGLU other than the released one: pack takes swiglu_alpha and swiglu_limit from config.json,
+    and --verify checks the layer against a transformers that reads them too (5.19 on) or, where transformers
+    fixes the released values, refuses naming why rather than blame the packed layer."""
+    import transformers
+    from packaging.version import Version
+
+    from colibri import ColibriError
+    write_model("gpt_oss", tmp_path / "src", **GPT_OSS_SWIGLU)
+    config = pack(tmp_path / "src", tmp_path / "a.colibri.safetensors", progress=False)
+    assert (config.activation_alpha, config.activation_limit) == (1.3, 5.0)
+    out = tmp_path / "b.colibri.safetensors"
+    if Version(transformers.__version__) >= Version("5.19"):
+        assert pack(tmp_path / "src", out, verify=True, progress=False).activation_limit == 5.0
+    else:
+        with pytest.raises(ColibriError, match=r"GptOssExperts computes with swiglu_alpha 1.702 and swiglu_limit 7 "
+                                               r"whatever config.json says \(here 1.3 and 5\)"):
+            pack(tmp_path / "src", out, verify=True, progress=False)
+        assert not out.exists()
+
+
+def test_verify_refuses_a_transformers_with_fixed_swiglu(written, tmp_path, monkeypatch):
+    """With GptOssExperts fixed at the released 1.702 and 7.0 (transformers before 5.19), --verify still checks
+    a layer of the released values and refuses, in one line and keeping no file, one of other values."""
+    import transformers
+
+    from colibri import ColibriError
+    fixed_swiglu(monkeypatch)
+    model, _, _ = written("gpt_oss")
+    model.save_pretrained(tmp_path / "released")
+    assert pack(tmp_path / "released", tmp_path / "a.colibri.safetensors", verify=True, progress=False)
+    write_model("gpt_oss", tmp_path / "other", **GPT_OSS_SWIGLU)
+    out = tmp_path / "b.colibri.safetensors"
+    with pytest.raises(ColibriError) as refused:
+        pack(tmp_path / "other", out, verify=True, progress=False)
+    assert str(refused.value).endswith(
+        f"--verify: transformers {transformers.__version__}'s GptOssExperts computes with swiglu_alpha 1.702 and "
+        "swiglu_limit 7 whatever config.json says (here 1.3 and 5), so it cannot check this layer; transformers "
+        "5.19 and later read both")
+    assert "\n" not in str(refused.value) and not out.exists()

@@ -13,11 +13,13 @@ from colibri import checkpoint
 from colibri import safetensors_io as st
 from colibri.dtypes import from_float, to_float32
 from colibri.pack import FP4_E2M1, dequantize_mxfp4, pack
+from colibri.testing.families import GAINS
 
 H, F, E, LAYERS = 64, 32, 8, 2
+# The released clamped SwiGLU (swiglu_limit 7.0, no swiglu_alpha), which every transformers computes alike
 GPT_OSS = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
                num_hidden_layers=LAYERS, num_local_experts=E, num_experts_per_tok=3, intermediate_size=F,
-               swiglu_limit=0.9, swiglu_alpha=1.3)
+               swiglu_limit=7.0)
 MXFP4_CONFIG = {"quant_method": "mxfp4",  # as the released gpt-oss config.json says
                 "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                            "model.embed_tokens", "lm_head"]}
@@ -101,10 +103,13 @@ def released(tmp_path_factory):
         for layer in model.model.layers:
             for name, tensor in layer.mlp.named_parameters():
                 tensor.normal_(0.0, 0.5 if "bias" in name else 1.0 / np.sqrt(tensor.shape[-1]))
+                tensor.mul_(GAINS["gpt_oss"].get(name, 1.0))  # so the clamps at 7 bite, as in the family tests
     src = write_mxfp4_checkpoint(tmp_path_factory.mktemp("gpt_oss") / "src", model, config)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         src, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
-    return src, loaded
+    # Older transformers dequantise MXFP4 to bf16 whatever dtype says; every MXFP4 value is exact in bf16,
+    # so float() changes no value, only what the fp32 tokens can be multiplied with.
+    return src, loaded.float()
 
 
 def test_pack_dequantises_released_layout(released, tmp_path):

@@ -58,6 +58,8 @@ Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `
 transformers from config.json and the source tensors and compares it, in fp32 on random tokens, with
 the packed layer (colibri's CPU layer, or colibri.reference where the library predates
 colibri_moe_context_create); on a relative error above 1e-5 the packed file is deleted and pack fails.
+Where the installed transformers' gpt-oss block ignores config.json's swiglu_alpha or swiglu_limit (older
+releases fix 1.702 and 7.0), a layer of other values is refused the same way, naming why.
 The block is loaded with the values the packed layer holds: fp8 weights dequantised, weights packed
 in another dtype rounded (or quantised) as pack did."""
 import dataclasses
@@ -1203,6 +1205,8 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     config = AutoConfig.for_model(family, **{**config_dict, "experts_implementation": "eager"})
     block_class = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
     block = block_class(config).to(torch.float32).eval()
+    if family == "gpt_oss":
+        _refuse_fixed_swiglu(block, hf)
     state = {}
     for key in block.state_dict():
         if key in tensors:
@@ -1218,6 +1222,20 @@ def transformers_block(family: str, hf: dict, tensors: dict):
             raise _fail(f"--verify: the source has no tensor for transformers' {name}.{key}")
     block.load_state_dict(state, strict=True)
     return block
+
+
+def _refuse_fixed_swiglu(block, hf):
+    """Refuses a gpt-oss block whose clamped SwiGLU does not take config.json's swiglu_alpha and
+    swiglu_limit: older transformers fix them at the released models' 1.702 and 7.0, so on any other
+    values its output is not the model's and a relative error would blame the packed layer."""
+    import transformers
+    plan = _gpt_oss(hf)
+    wanted = (plan.activation_alpha, plan.activation_limit)
+    used = (getattr(block.experts, "alpha", None), getattr(block.experts, "limit", None))
+    if None not in used and tuple(float(v) for v in used) != wanted:
+        raise _fail(f"--verify: transformers {transformers.__version__}'s GptOssExperts computes with swiglu_alpha "
+                    f"{used[0]:g} and swiglu_limit {used[1]:g} whatever config.json says (here {wanted[0]:g} and "
+                    f"{wanted[1]:g}), so it cannot check this layer; transformers 5.19 and later read both")
 
 
 def block_forward(block, x: np.ndarray) -> np.ndarray:

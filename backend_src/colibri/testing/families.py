@@ -39,12 +39,18 @@ FAMILIES = {
                       first_k_dense_replace=1, head_dim=8),
                  dict(routing="sigmoid_bias", renormalize=True, n_group=2, topk_group=1, group_score="top2_sum",
                       routed_scaling_factor=1.5, shared_intermediate_size=24)),
-    # A small swiglu_limit so the clamps bite on these activations.
-    "gpt_oss": (dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=24, head_dim=8,
-                     swiglu_limit=0.9, swiglu_alpha=1.3),
-                dict(routing="topk_softmax", activation="swiglu_oai", activation_limit=0.9, activation_alpha=1.3,
+    # The released models' clamped SwiGLU (config.json swiglu_limit 7.0, no swiglu_alpha: 1.702), which every
+    # transformers computes alike; GAINS makes the clamps bite. Other values: GPT_OSS_SWIGLU.
+    "gpt_oss": (dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=24, head_dim=8, swiglu_limit=7.0),
+                dict(routing="topk_softmax", activation="swiglu_oai", activation_limit=7.0, activation_alpha=1.702,
                      expert_bias=True, has_router_logit_bias=True)),
 }
+# Factors on write_model's weights, by family and parameter: gpt-oss's gate_up_proj large enough that a good
+# share of gate and up values on unit tokens pass the limit 7 (tests/test_families.py checks that share).
+GAINS = {"gpt_oss": {"experts.gate_up_proj": 7.0}}
+# A clamped SwiGLU other than the released one (config.json overrides), which older transformers ignore: their
+# GptOssExperts fixes 1.702 and 7.0.
+GPT_OSS_SWIGLU = dict(swiglu_limit=5.0, swiglu_alpha=1.3)
 
 
 def moe_blocks(model):
@@ -66,6 +72,7 @@ def write_model(family, folder, **overrides):
             for name, tensor in block.named_parameters():
                 # Weights large enough that routing is clear and every part of the block matters.
                 tensor.normal_(0.0, 0.5 if "bias" in name else 1.0 / np.sqrt(tensor.shape[-1]))
+                tensor.mul_(GAINS.get(family, {}).get(name, 1.0))
             gate = getattr(block, "gate", None)
             if gate is not None and hasattr(gate, "e_score_correction_bias"):
                 # A buffer, not a parameter: transformers leaves it at zero, which would hide its use.
