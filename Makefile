@@ -156,12 +156,13 @@ python: $(LIB_SO)
 
 # Each profile, on each supported Python, resolved by uv from PyPI alone (no pip configuration, no
 # local wheel folders): a pin that contradicts a package's requirement fails here, not on a user's machine.
-# ngc-cuda11 is what the CUDA 11.8 image installs beside its tritonserver 22.12's Python 3.8.
+# ngc-cuda11 is what the CUDA 11.8 image installs beside its tritonserver 22.12's Python 3.8; package, what
+# `pip install ./backend_src` needs on the oldest Python between that and the venv's.
 check-pins:
 	@tools/check_pins.sh $(SUPPORTED_PYTHONS) -- \
 	  "serve: $(PROFILE_SERVE)" "serve-cuda12: $(PROFILE_SERVE) $(PROFILE_CUPY12)" "serve-cuda11: $(PROFILE_SERVE) $(PROFILE_CUPY11)" \
 	  "loadtest: $(PROFILE_SERVE) $(PROFILE_LOADTEST)" "test: $(PROFILE_SERVE) $(PROFILE_TEST)" "bench: $(PROFILE_SERVE) $(PROFILE_BENCH)" \
-	  "ngc-cuda11@3.8: numpy cffi cupy-cuda11x"
+	  "ngc-cuda11@3.8: numpy cffi cupy-cuda11x" "package@3.9: numpy cffi pycparser setuptools"
 
 test-c: ctests
 	@set -e; for t in $(C_TESTS); do echo "== $$t"; $$t; done

@@ -3,6 +3,7 @@ read as printed at 80 columns: the description, every option's help and the epil
 argparse wraps whatever it is given, so a help cut mid-sentence (serve's description once ended
 "...shipped in the nvidia-pytriton wheel on the") or an option without help shows only here."""
 import re
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,12 @@ def test_serve_help_says_what_a_request_sends(monkeypatch, capsys):
     epilog = help_paragraphs(help_text(["serve"], monkeypatch, capsys))[-1]
     assert epilog[0] == "epilog" and "hidden_states [T, H]" in epilog[1]
     assert "GET /v2/models/colibri_moe/config" in epilog[1] and "python -m colibri info FILE" in epilog[1]
+
+
+def test_readme_lists_every_serve_option(monkeypatch, capsys):
+    """README's `serve --help` block is the real one: an option the launcher gains shows there too."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("$ .venv/bin/python -m colibri serve --help", 1)[1].split("```", 1)[0]
+    options = set(re.findall(r"^  (--[a-z-]+)", help_text(["serve"], monkeypatch, capsys), re.M))
+    missing = options - set(re.findall(r"--[a-z-]+", block))
+    assert options and not missing, f"README's serve --help block lacks {sorted(missing)}"
