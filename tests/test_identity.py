@@ -1,14 +1,23 @@
 """The served checkpoint's identity (colibri.identity): path, size, modification time, a sha256 of the
-whole file kept beside it while the file is unchanged, demo or not."""
+whole file kept beside it while the file is unchanged, demo or not; written by the launchers into the
+config.pbtxt Triton reads (colibri.triton_config.stage_repository) and logged by model.py. That a real
+tritonserver shows it in GET .../config is checked in test_serving.py."""
 import hashlib
+import json
 import os
 import subprocess
 
 import numpy as np
 import pytest
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2
 
-from colibri import checkpoint, identity
+from colibri import checkpoint, identity, triton_config
 from colibri.config import LayerConfig
+from colibri.testing import fake_backend
+from colibri.testing.server import REPO_ROOT
+
+MODEL = "colibri_moe"
 
 
 @pytest.fixture
@@ -65,3 +74,46 @@ def test_where_the_hash_cannot_be_kept_each_start_hashes_and_says_so(demo, monke
     assert second.note.startswith(f"sha256 of {demo} ({demo.stat().st_size} bytes) took ")
     assert f"not kept (No such file or directory: {unwritable}), so each start hashes it again" in second.note
     assert not unwritable.parent.exists()
+
+
+def test_staged_config_parses_and_names_the_checkpoint(tmp_path):
+    """The copy Triton is given: the repository's config with a second parameters list that the text
+    format merges into the first; strings escaped (quotes, backslashes, UTF-8)."""
+    weights = packed(tmp_path / 'odd "name" \\ é.colibri.safetensors', 'hf "model" \\ ü')
+    ident = triton_config.stage_repository(REPO_ROOT / "model_repository", tmp_path / "staged", MODEL, weights)
+    staged = tmp_path / "staged" / MODEL
+    assert (staged / "1").is_symlink() and (staged / "1" / "model.py").is_file()
+    config = text_format.Parse((staged / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["COLIBRI_WARMUP"] == "yes", "the repository's own parameters stay"
+    assert {k: v for k, v in parameters.items() if k.startswith("COLIBRI_CHECKPOINT_")} == {
+        "COLIBRI_CHECKPOINT_FILE": str(weights), "COLIBRI_CHECKPOINT_BYTES": str(weights.stat().st_size),
+        "COLIBRI_CHECKPOINT_MODIFIED": ident.modified,
+        "COLIBRI_CHECKPOINT_SHA256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+        "COLIBRI_CHECKPOINT_DEMO": "no", "COLIBRI_CHECKPOINT_SOURCE": 'hf "model" \\ ü'}
+    # As Triton hands it to model.py (JSON): the identity read back is the one staged.
+    as_json = json.loads(json_format.MessageToJson(config, preserving_proto_field_name=True))
+    assert triton_config.identity_in_config(as_json) == ident._replace(
+        mtime_ns=ident.mtime_ns // 10**9 * 10**9, note="")
+
+
+def test_stage_refuses_a_repository_without_the_model(tmp_path, colibri_cli, demo):
+    (tmp_path / "repo" / "other").mkdir(parents=True)
+    result = colibri_cli("stage", tmp_path / "repo", "--weights", demo, "--out", tmp_path / "out")
+    assert result.returncode == 1 and result.stderr.strip() == \
+        f"colibri stage: {tmp_path / 'repo'} has no {MODEL}/config.pbtxt", result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_model_py_logs_the_checkpoint_it_loaded(demo, monkeypatch):
+    lines = []
+    monkeypatch.setattr(fake_backend.Logger, "log_info", staticmethod(lines.append))
+    fake_backend.load_model(monkeypatch, demo, parameters={"COLIBRI_WARMUP": "no"})
+    ident = identity.of(demo)
+    served = [line for line in lines if ident.sha256 in line]
+    assert len(served) == 1 and served[0].endswith(f"from {ident.describe()}"), lines
+    # With the launcher's identity in the config and the file unchanged, that one is used (not re-hashed).
+    lines.clear()
+    given = triton_config.identity_parameters(ident._replace(sha256="0" * 64))
+    fake_backend.load_model(monkeypatch, demo, parameters={"COLIBRI_WARMUP": "no", **given})
+    assert any("sha256 " + "0" * 64 in line for line in lines), lines

@@ -1,4 +1,4 @@
-"""python -m colibri {pack,demo,serve,bench,info,probe,watch}"""
+"""python -m colibri {pack,demo,serve,bench,info,probe,watch,stage}"""
 import argparse
 import importlib
 import pathlib
@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print a packed checkpoint's configuration")
     info.add_argument("file")
+    stage = sub.add_parser("stage", help="copy a model repository (as links) whose colibri_moe config names the "
+                                         "checkpoint served: path, size, time, sha256, demo or not (the image's "
+                                         "entrypoint runs it; `serve` does the same)")
+    stage.add_argument("repository", help="the model repository, e.g. /models")
+    stage.add_argument("--weights", required=True, help="the checkpoint the server will load")
+    stage.add_argument("--out", required=True, help="the copy's folder, which must not exist yet")
+    stage.add_argument("--model", default="colibri_moe")
     return parser
 
 
@@ -160,6 +167,11 @@ def main(argv=None) -> int:
             print(f"colibri demo: wrote {args.out} ({config})")
         elif args.command == "info":
             _info(args.file)
+        elif args.command == "stage":
+            from colibri import triton_config
+            checkpoint_id = triton_config.stage_repository(args.repository, args.out, args.model, args.weights)
+            if checkpoint_id.note:  # hashed now: what it cost, and whether the next start pays it again
+                print(f"colibri stage: {checkpoint_id.note}", file=sys.stderr)
     except ColibriError as exc:
         print(f"colibri {args.command}: {exc}", file=sys.stderr)
         return 1
