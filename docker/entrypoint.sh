@@ -3,9 +3,12 @@
 # synthetic demo one only where asked: docker compose asks for its own named volume), then runs the
 # command (through NVIDIA's entrypoint on the NGC bases, which checks the driver). A `tritonserver ...`
 # command gets one --cuda-memory-pool-byte-size per visible GPU (none without a GPU) and, in the
-# Debian image, the wheel's --backend-directory, and runs under colibri's watchdog (`python3 -m colibri
-# watch -- tritonserver ...`), which restarts it when it exits unbidden or stops answering one-token
-# requests (a killed Python-backend stub, which tritonserver never restarts, while ready says 200).
+# Debian image, the wheel's --backend-directory; a model repository holding colibri_moe is served
+# through a copy (links, in $TMPDIR) whose config names the checkpoint (path, size, time, sha256, demo
+# or not: GET /v2/models/colibri_moe/config shows it); and it runs under colibri's watchdog (`python3
+# -m colibri watch -- tritonserver ...`), which restarts it when it exits unbidden or stops answering
+# one-token requests (a killed Python-backend stub, which tritonserver never restarts, while ready
+# says 200).
 #   COLIBRI_WEIGHTS          absolute path of the checkpoint (the image sets /weights/...)
 #   COLIBRI_DEMO_IF_MISSING  1: write a demo checkpoint (random weights) when it is missing; 0 (default):
 #                            fail instead, in one line
@@ -79,6 +82,22 @@ gpu_count() {
     echo "$n"
 }
 
+# Triton keeps the dims model.py's auto-complete adds to a config but drops parameters, so the
+# checkpoint's identity reaches colibri_moe's config through a copy of its repository (links) whose
+# config.pbtxt names it. If the copy cannot be made, the repository is served as it is (model.py's
+# log line still names the checkpoint).
+staged_repository() {  # $1: a model repository, $2: a number for its copy; prints what to serve
+    copy="${TMPDIR:-/tmp}/colibri-models-$2"
+    if [ -f "$1/colibri_moe/config.pbtxt" ]; then
+        if rm -rf "$copy" && python3 -m colibri stage "$1" --weights "$weights" --out "$copy" >&2; then
+            printf '%s\n' "$copy"
+            return
+        fi
+        echo "colibri entrypoint: serving $1 as it is: its colibri_moe config will not name the checkpoint" >&2
+    fi
+    printf '%s\n' "$1"
+}
+
 if [ "${1:-}" = tritonserver ]; then
     shift
     pool=yes
@@ -93,6 +112,26 @@ if [ "${1:-}" = tritonserver ]; then
     case "$mb" in
         ''|*[!0-9]*) echo "colibri entrypoint: COLIBRI_CUDA_MEMORY_POOL_MB must be a number of MB, got '$mb'" >&2; exit 2 ;;
     esac
+    # Each argument in turn to the end of the list, model repositories replaced by their copies.
+    count=$# repository_next=no copies=0
+    while [ "$count" -gt 0 ]; do
+        arg=$1
+        shift
+        count=$((count - 1))
+        if [ "$repository_next" = yes ]; then
+            copies=$((copies + 1))
+            arg=$(staged_repository "$arg" "$copies")
+            repository_next=no
+        else
+            case "$arg" in
+                --model-repository=*)
+                    copies=$((copies + 1))
+                    arg="--model-repository=$(staged_repository "${arg#--model-repository=}" "$copies")" ;;
+                --model-repository) repository_next=yes ;;
+            esac
+        fi
+        set -- "$@" "$arg"
+    done
     if [ "$pool" = yes ] && [ "$mb" -gt 0 ]; then
         gpus=$(gpu_count)
         gpu=0

@@ -8,6 +8,7 @@ packages and no torch, keeps compilers out of the runtime and does not run as ro
 the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU.
 """
 import ast
+import hashlib
 import json
 import os
 import re
@@ -1025,3 +1026,34 @@ def test_entrypoint_points_the_wheel_tritonserver_at_its_backends(tmp_path):
     other = run_entrypoint(tmp_path, weights, "echo", "--a", **fake_tritonserver(tmp_path, 2), COLIBRI_TRITON_BACKENDS="/b")
     assert other.stdout.split() == ["--a"]
 
+
+def test_entrypoint_serves_a_copy_of_the_repository_naming_the_checkpoint(tmp_path):
+    """Triton drops parameters that auto-complete adds, so the entrypoint serves a copy of a model
+    repository holding colibri_moe (links) whose config names the checkpoint; other repositories,
+    and the original when no copy can be made, are served as they are."""
+    from colibri import checkpoint
+    env = python3_with_colibri(tmp_path)
+    env.update(fake_tritonserver(tmp_path), TMPDIR=str(tmp_path))
+    weights = tmp_path / "w.colibri.safetensors"
+    checkpoint.write_demo(weights, experts=4, top_k=2, hidden=32, intermediate=48)
+    models = REPO / "model_repository"
+    result = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}",
+                            "--model-repository", str(tmp_path / "other"), **env)
+    assert result.returncode == 0, result.stderr
+    copy = tmp_path / "colibri-models-1"
+    assert result.stdout.split() == [f"--model-repository={copy}", "--model-repository", str(tmp_path / "other")]
+    config = (copy / "colibri_moe" / "config.pbtxt").read_text()
+    assert config.startswith((models / "colibri_moe" / "config.pbtxt").read_text().rstrip("\n"))
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    for key, value in [("FILE", str(weights)), ("SHA256", digest), ("DEMO", "yes")]:
+        assert f'key: "COLIBRI_CHECKPOINT_{key}" value: {{ string_value: "{value}" }}' in config, config
+    assert (copy / "colibri_moe" / "1").resolve() == models / "colibri_moe" / "1"
+    # A restart makes the copy again; a TMPDIR where none can be made leaves the repository as it is.
+    again = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}", **env)
+    assert again.returncode == 0 and again.stdout.split() == [f"--model-repository={copy}"], again.stderr
+    (tmp_path / "file").write_text("")
+    env["TMPDIR"] = str(tmp_path / "file")
+    fallback = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}", **env)
+    assert fallback.returncode == 0 and fallback.stdout.split() == [f"--model-repository={models}"]
+    assert fallback.stderr.splitlines()[-1] == (f"colibri entrypoint: serving {models} as it is: its colibri_moe "
+                                                "config will not name the checkpoint")
