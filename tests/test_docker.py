@@ -5,7 +5,10 @@ What can go wrong before a build is checked here, for each image the Dockerfile 
 Debian one with and without CUDA, the NGC ones): the Dockerfile copies files that exist, runs the
 make targets that `make test` exercises (portable -march, CUDA when asked), installs only pinned
 packages and no torch, keeps compilers out of the runtime and does not run as root; compose accepts
-the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU.
+the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU,
+writes a demo checkpoint only into compose's own named volume (a host folder without one stops the
+start in one line naming it) and serves a copy of the model repository whose config names the
+checkpoint.
 """
 import ast
 import hashlib
