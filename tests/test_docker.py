@@ -5,9 +5,13 @@ What can go wrong before a build is checked here, for each image the Dockerfile 
 Debian one with and without CUDA, the NGC ones): the Dockerfile copies files that exist, runs the
 make targets that `make test` exercises (portable -march, CUDA when asked), installs only pinned
 packages and no torch, keeps compilers out of the runtime and does not run as root; compose accepts
-the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU.
+the file with every profile and resolves to that image; the entrypoint sets a CUDA memory pool per GPU,
+writes a demo checkpoint only into compose's own named volume (a host folder without one stops the
+start in one line naming it) and serves a copy of the model repository whose config names the
+checkpoint.
 """
 import ast
+import hashlib
 import json
 import os
 import re
@@ -736,6 +740,11 @@ def check_server(service, dockerfile):
     mounts = {m["target"]: m for m in service["volumes"]}
     weights = service["environment"]["COLIBRI_WEIGHTS"]
     assert any(weights.startswith(target + "/") for target in mounts), f"{weights} is not on a mounted volume"
+    # The entrypoint tells its named volume (a demo allowed) from a host folder (never one) by these.
+    assert service["environment"]["COLIBRI_DEMO_IF_MISSING"] == "1"
+    assert "COLIBRI_WEIGHTS_DIR" in service["environment"]
+    # A failed start must end in `exited`, which `up --wait` reports, not in endless restarts.
+    assert service["restart"].startswith("on-failure:") or service["restart"] == "no", service["restart"]
 
 
 def test_compose_default_is_the_gpu_capable_debian_image(dockerfile):
@@ -773,6 +782,7 @@ def test_compose_settings_reach_the_services(dockerfile):
         service = config["services"][name]
         bind = [m for m in service["volumes"] if m["type"] == "bind"]
         assert bind and bind[0]["source"] == "/srv/colibri", service["volumes"]
+        assert service["environment"]["COLIBRI_WEIGHTS_DIR"] == "/srv/colibri", "the entrypoint names the folder"
         assert (8000, "18000") in {(p["target"], str(p["published"])) for p in service["ports"]}
     device = config["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["count"] in (-1, "all"), device
@@ -790,6 +800,35 @@ def test_compose_cpu_profile_serves_without_a_gpu(dockerfile):
     pbtxt = (REPO / "model_repository" / "colibri_moe" / "config.pbtxt").read_text()
     kinds = re.findall(r"kind:\s*(KIND_\w+)", pbtxt)
     assert kinds and set(kinds) <= {"KIND_AUTO", "KIND_CPU"}, f"KIND_GPU fails to load on a CPU host: {kinds}"
+
+
+def container_environment(service, weights_folder):
+    """The service's environment as compose renders it, with its /weights mount at weights_folder."""
+    env = dict(service["environment"])
+    mount = next(m["target"] for m in service["volumes"] if env["COLIBRI_WEIGHTS"].startswith(m["target"] + "/"))
+    env["COLIBRI_WEIGHTS"] = str(weights_folder) + env["COLIBRI_WEIGHTS"][len(mount):]
+    return env
+
+
+def test_compose_gives_a_demo_only_to_its_named_volume(tmp_path):
+    """With compose's own volume a missing checkpoint becomes a demo one; with a host folder
+    (COLIBRI_WEIGHTS_DIR) that lacks it the start stops in one line naming the folder."""
+    env = python3_with_colibri(tmp_path)
+    service = compose_config("cpu")["services"]["triton-cpu"]
+    volume = {m["target"]: m for m in service["volumes"]}["/weights"]
+    assert volume["type"] == "volume" and volume["source"] == "colibri-weights", volume
+    named = run_entrypoint(tmp_path, "/unused", "true", **{**container_environment(service, tmp_path / "volume"), **env})
+    assert named.returncode == 0, named.stderr
+    assert (tmp_path / "volume" / "weights.colibri.safetensors").is_file()
+
+    host = tmp_path / "host"
+    host.mkdir()
+    service = compose_config("cpu", env={"COLIBRI_WEIGHTS_DIR": str(host)})["services"]["triton-cpu"]
+    assert {m["target"]: m for m in service["volumes"]}["/weights"]["type"] == "bind"
+    refused = run_entrypoint(tmp_path, "/unused", "true", **{**container_environment(service, host), **env})
+    assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert f"host folder {host}" in refused.stderr and "COLIBRI_WEIGHTS_DIR" in refused.stderr
+    assert not list(host.iterdir()), "nothing may be written into a host folder"
 
 
 CPU_COMMAND = "COLIBRI_CUDA=0 docker compose -f docker/docker-compose.yml --profile cpu up --build --wait triton-cpu"
@@ -844,9 +883,38 @@ def run_entrypoint(tmp_path, weights, *command, **env):
 def test_entrypoint_refuses_relative_or_missing_weights(tmp_path):
     relative = run_entrypoint(tmp_path, "weights.colibri.safetensors", "true")
     assert relative.returncode == 2 and "absolute" in relative.stderr
-    missing = run_entrypoint(tmp_path, tmp_path / "none.colibri.safetensors", "true", COLIBRI_DEMO_IF_MISSING="0")
-    assert missing.returncode == 1 and "no checkpoint" in missing.stderr
+    # The image alone (no compose) writes no demo: one line says where the checkpoint goes and how to
+    # ask for a demo instead.
+    weights = tmp_path / "none.colibri.safetensors"
+    for env in ({}, {"COLIBRI_DEMO_IF_MISSING": "0"}):
+        missing = run_entrypoint(tmp_path, weights, "true", **env)
+        assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
+        assert missing.stderr.startswith(f"colibri entrypoint: no checkpoint at {weights}: mount a folder")
+        assert "COLIBRI_DEMO_IF_MISSING=1" in missing.stderr
     assert not list(tmp_path.iterdir()), "nothing may be written when the demo is refused"
+
+
+@pytest.mark.parametrize("host, named", [("/srv/models", "/srv/models"),
+                                         ("./weights", "./weights (relative to docker/, where the compose file is)")])
+def test_entrypoint_never_writes_a_demo_into_a_host_folder(tmp_path, host, named):
+    """COLIBRI_WEIGHTS_DIR (compose passes it on) marks a host folder: without the checkpoint the start
+    stops in one line naming it and the container path, even with COLIBRI_DEMO_IF_MISSING=1."""
+    weights = tmp_path / "weights.colibri.safetensors"
+    result = run_entrypoint(tmp_path, weights, "true", COLIBRI_WEIGHTS_DIR=host, COLIBRI_DEMO_IF_MISSING="1")
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"colibri entrypoint: no weights.colibri.safetensors in the host folder {named}, "
+                                    f"mounted at {tmp_path} (COLIBRI_WEIGHTS_DIR): put the packed checkpoint there")
+    assert not list(tmp_path.iterdir())
+
+
+def test_entrypoint_refuses_a_checkpoint_it_cannot_read(tmp_path):
+    weights = tmp_path / "w.colibri.safetensors"
+    weights.write_bytes(b"kept")
+    weights.chmod(0)
+    if os.access(weights, os.R_OK):
+        pytest.skip("this user reads files without read permission (root)")
+    result = run_entrypoint(tmp_path, weights, "true")
+    assert result.returncode == 1 and "cannot read it" in result.stderr and result.stderr.count("\n") == 1
 
 
 def test_entrypoint_runs_the_command_with_an_existing_checkpoint(tmp_path):
@@ -898,6 +966,7 @@ def test_entrypoint_runs_tritonserver_under_the_watchdog(tmp_path):
 def test_entrypoint_writes_a_demo_checkpoint_once(tmp_path):
     env = python3_with_colibri(tmp_path)
     weights = tmp_path / "volume" / "weights.colibri.safetensors"
+    env.update(COLIBRI_DEMO_IF_MISSING="1", COLIBRI_WEIGHTS_DIR="")  # what compose sets for its named volume
     first = run_entrypoint(tmp_path, weights, "true", **env)
     assert first.returncode == 0, first.stderr
     header = read_safetensors_header(weights)
@@ -959,3 +1028,35 @@ def test_entrypoint_points_the_wheel_tritonserver_at_its_backends(tmp_path):
     weights = tmp_path / "w.colibri.safetensors"
     other = run_entrypoint(tmp_path, weights, "echo", "--a", **fake_tritonserver(tmp_path, 2), COLIBRI_TRITON_BACKENDS="/b")
     assert other.stdout.split() == ["--a"]
+
+
+def test_entrypoint_serves_a_copy_of_the_repository_naming_the_checkpoint(tmp_path):
+    """Triton drops parameters that auto-complete adds, so the entrypoint serves a copy of a model
+    repository holding colibri_moe (links) whose config names the checkpoint; other repositories,
+    and the original when no copy can be made, are served as they are."""
+    from colibri import checkpoint
+    env = python3_with_colibri(tmp_path)
+    env.update(fake_tritonserver(tmp_path), TMPDIR=str(tmp_path))
+    weights = tmp_path / "w.colibri.safetensors"
+    checkpoint.write_demo(weights, experts=4, top_k=2, hidden=32, intermediate=48)
+    models = REPO / "model_repository"
+    result = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}",
+                            "--model-repository", str(tmp_path / "other"), **env)
+    assert result.returncode == 0, result.stderr
+    copy = tmp_path / "colibri-models-1"
+    assert result.stdout.split() == [f"--model-repository={copy}", "--model-repository", str(tmp_path / "other")]
+    config = (copy / "colibri_moe" / "config.pbtxt").read_text()
+    assert config.startswith((models / "colibri_moe" / "config.pbtxt").read_text().rstrip("\n"))
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    for key, value in [("FILE", str(weights)), ("SHA256", digest), ("DEMO", "yes")]:
+        assert f'key: "COLIBRI_CHECKPOINT_{key}" value: {{ string_value: "{value}" }}' in config, config
+    assert (copy / "colibri_moe" / "1").resolve() == models / "colibri_moe" / "1"
+    # A restart makes the copy again; a TMPDIR where none can be made leaves the repository as it is.
+    again = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}", **env)
+    assert again.returncode == 0 and again.stdout.split() == [f"--model-repository={copy}"], again.stderr
+    (tmp_path / "file").write_text("")
+    env["TMPDIR"] = str(tmp_path / "file")
+    fallback = run_entrypoint(tmp_path, weights, "tritonserver", f"--model-repository={models}", **env)
+    assert fallback.returncode == 0 and fallback.stdout.split() == [f"--model-repository={models}"]
+    assert fallback.stderr.splitlines()[-1] == (f"colibri entrypoint: serving {models} as it is: its colibri_moe "
+                                                "config will not name the checkpoint")

@@ -9,7 +9,7 @@ import pytest
 
 from colibri import __main__ as cli
 
-COMMANDS = [[], ["pack"], ["demo"], ["info"], ["serve"]]
+COMMANDS = [[], ["pack"], ["demo"], ["info"], ["stage"], ["serve"]]
 
 
 def help_text(command, monkeypatch, capsys) -> str:

@@ -1,6 +1,7 @@
 """End-to-end serving: a real tritonserver (from the nvidia-pytriton wheel) serving colibri_moe on the
 CPU, reached over HTTP, gRPC and system shared memory, checked against the float64 reference."""
 import concurrent.futures
+import hashlib
 import json
 import re
 import subprocess
@@ -15,7 +16,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import colibri
-from colibri import reference, serve
+from colibri import identity, reference, serve
 from colibri.testing import error_limit
 from colibri.testing import load_script
 from colibri.testing.server import REPO_ROOT, missing_reason, serving
@@ -280,6 +281,22 @@ def test_ready_line_says_what_a_request_sends(server, layer):
     assert (f"  input   hidden_states [T, {H}] FP32 (H = {H}, the checkpoint's hidden size; T up to 4096 tokens)\n"
             in server.log_path.read_text()), server.log_tail()
     assert serve.request_shape({"input": [{"name": "topk_ids", "dims": [2]}]}) is None
+
+
+def test_config_and_log_name_the_checkpoint_served(server, weights):
+    """GET .../config tells what is served: the launcher writes the checkpoint's identity into the config
+    Triton reads (auto-complete cannot add parameters: tritonserver drops them), and model.py logs it."""
+    config = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/config"))
+    named = {key: value["string_value"] for key, value in config["parameters"].items()
+             if key.startswith("COLIBRI_CHECKPOINT_")}
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert named == {"COLIBRI_CHECKPOINT_FILE": str(weights.resolve()),
+                     "COLIBRI_CHECKPOINT_BYTES": str(weights.stat().st_size),
+                     "COLIBRI_CHECKPOINT_MODIFIED": identity.utc(weights.stat().st_mtime_ns),
+                     "COLIBRI_CHECKPOINT_SHA256": digest, "COLIBRI_CHECKPOINT_DEMO": "yes",
+                     "COLIBRI_CHECKPOINT_SOURCE": "colibri demo (seed 7)"}
+    logged = [line for line in server.log_path.read_text().splitlines() if f"sha256 {digest}" in line]
+    assert logged and all(line.endswith("DEMO checkpoint (random weights)\"") for line in logged), logged
 
 
 def test_second_launch_on_a_taken_port_fails_naming_it(server, weights):

@@ -1,4 +1,4 @@
-"""python -m colibri {pack,demo,serve,bench,info,probe,watch}"""
+"""python -m colibri {pack,demo,serve,bench,info,probe,watch,stage}"""
 import argparse
 import importlib
 import pathlib
@@ -126,6 +126,14 @@ def _parser() -> argparse.ArgumentParser:
     info = _subparser(sub, "info", help="Print a packed checkpoint's configuration.",
                       description="Prints a packed checkpoint's configuration, tensors and metadata.")
     info.add_argument("file", help="A *.colibri.safetensors file.")
+    stage = _subparser(sub, "stage", help="Copy a model repository whose colibri_moe config names the checkpoint.",
+                       description="Copies a model repository (as links) whose colibri_moe config names the "
+                                   "checkpoint served: its path, size, time, sha256 and whether it is a demo. The "
+                                   "image's entrypoint runs it; `serve` does the same.")
+    stage.add_argument("repository", help="The model repository, e.g. /models.")
+    stage.add_argument("--weights", required=True, metavar="FILE", help="The checkpoint the server will load.")
+    stage.add_argument("--out", required=True, metavar="DIR", help="The copy's folder, which must not exist yet.")
+    stage.add_argument("--model", default="colibri_moe", help="The model to name it in (default: %(default)s).")
     return parser
 
 
@@ -191,6 +199,11 @@ def main(argv=None) -> int:
             print(f"colibri demo: wrote {args.out} ({config})")
         elif args.command == "info":
             _info(args.file)
+        elif args.command == "stage":
+            from colibri import triton_config
+            checkpoint_id = triton_config.stage_repository(args.repository, args.out, args.model, args.weights)
+            if checkpoint_id.note:  # hashed now: what it cost, and whether the next start pays it again
+                print(f"colibri stage: {checkpoint_id.note}", file=sys.stderr)
     except ColibriError as exc:
         print(f"colibri {args.command}: {exc}", file=sys.stderr)
         return 1

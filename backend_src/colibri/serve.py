@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from colibri import watchdog
+from colibri import triton_config, watchdog
 from colibri.triton_config import TRITON_DTYPES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -167,19 +167,18 @@ def configure_model(config_text: str, device: str, dtype: str, instances: int = 
     return text
 
 
-def stage_repository(repository: Path, run_dir: Path, device: str, dtype: str, instances: int = 1) -> Path:
-    """A copy of the repository made of links, with colibri_moe's config rewritten."""
+def stage_repository(repository: Path, run_dir: Path, weights: Path, device: str, dtype: str,
+                     instances: int = 1) -> Path:
+    """A copy of the repository made of links, with colibri_moe's config rewritten and naming the
+    checkpoint served (colibri.triton_config.stage_repository)."""
     staged = run_dir / "models"
-    for model in sorted(p for p in repository.iterdir() if p.is_dir()):
-        target = staged / model.name
-        target.mkdir(parents=True)
-        for entry in model.iterdir():
-            if model.name == MODEL_NAME and entry.name == "config.pbtxt":
-                (target / entry.name).write_text(configure_model(entry.read_text(), device, dtype, instances))
-            else:
-                (target / entry.name).symlink_to(entry.resolve())
-    if not (staged / MODEL_NAME / "config.pbtxt").exists():
-        raise ServeError(f"{repository} has no {MODEL_NAME}/config.pbtxt")
+    try:
+        ident = triton_config.stage_repository(repository, staged, MODEL_NAME, weights,
+                                               lambda text: configure_model(text, device, dtype, instances))
+    except FileNotFoundError as exc:
+        raise ServeError(str(exc)) from None
+    if ident.note:  # hashed now: say what it cost, and whether the next start pays it again
+        print(f"colibri serve: {ident.note}", flush=True)
     return staged
 
 
@@ -389,7 +388,8 @@ def main(argv=None) -> int:
             args.server_id = f"colibri-{secrets.token_hex(6)}"  # how wait_until_ready knows its server
             command = [
                 str(server_root / "bin" / "tritonserver"), "--id", args.server_id,
-                "--model-repository", str(stage_repository(repository, run_dir, args.device, args.dtype, args.instances)),
+                "--model-repository", str(stage_repository(repository, run_dir, weights, args.device, args.dtype,
+                                                          args.instances)),
                 "--backend-directory", str(install_python_backend(server_root, run_dir)),
                 "--model-control-mode", "none",
                 "--http-address", args.host, "--http-port", str(args.http_port),

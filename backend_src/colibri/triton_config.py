@@ -6,11 +6,21 @@ checkpoint, chosen at start, fixes H and k: the Python backend's ModelConfig.add
 fill in dims a config leaves empty, and refuse to change declared ones (even -1). With the dims
 known, Triton's model metadata and config tell clients H and k, and Triton refuses a request of the
 wrong width itself, naming the input. Only the checkpoint's header is read here.
+
+The served checkpoint's identity (colibri.identity) goes into the config as parameters
+COLIBRI_CHECKPOINT_*, so `GET /v2/models/colibri_moe/config` tells what is served. Auto-complete
+cannot add them: tritonserver keeps only the max_batch_size, tensors, scheduling and transaction
+policy that `auto_complete_config` returns and drops its parameters. So the launchers (`colibri
+serve`, the image's entrypoint through `python -m colibri stage`) serve a copy of the model
+repository made of links whose config.pbtxt names the checkpoint (stage_repository).
 """
+import datetime
 import json
 import os
+from pathlib import Path
+from typing import Callable, Optional
 
-from colibri import checkpoint
+from colibri import checkpoint, identity
 
 
 def weights_path(model_config: dict, version_dir: str) -> str:
@@ -80,3 +90,77 @@ def complete(auto_complete_model_config, version_dir: str):
         auto_complete_model_config.add_output(
             {"name": tensor["name"], "data_type": tensor["data_type"], "dims": [dims[tensor["name"]]]})
     return auto_complete_model_config
+
+
+IDENTITY_PREFIX = "COLIBRI_CHECKPOINT_"
+IDENTITY_FIELDS = ("FILE", "BYTES", "MODIFIED", "SHA256", "DEMO", "SOURCE")
+
+
+def identity_parameters(ident: identity.Identity) -> dict:
+    """The config parameters (name -> string) that name a checkpoint."""
+    values = (ident.path, str(ident.size), ident.modified, ident.sha256, "yes" if ident.demo else "no", ident.source)
+    return {IDENTITY_PREFIX + field: value for field, value in zip(IDENTITY_FIELDS, values)}
+
+
+def identity_in_config(model_config: dict) -> Optional[identity.Identity]:
+    """The identity a launcher wrote into the config, or None if it wrote none."""
+    parameters = model_config.get("parameters", {})
+    values = {field: parameters.get(IDENTITY_PREFIX + field, {}).get("string_value") for field in IDENTITY_FIELDS}
+    if None in values.values():
+        return None
+    try:
+        modified = datetime.datetime.strptime(values["MODIFIED"], "%Y-%m-%dT%H:%M:%SZ")
+        seconds = int(modified.replace(tzinfo=datetime.timezone.utc).timestamp())
+        return identity.Identity(values["FILE"], int(values["BYTES"]), seconds * 1_000_000_000, values["SHA256"],
+                                 values["DEMO"] == "yes", values["SOURCE"])
+    except ValueError:
+        return None
+
+
+def instance_identity(args: dict, path: str) -> identity.Identity:
+    """The identity of the checkpoint an instance loaded: the launcher's, if the file is unchanged since."""
+    return identity.of(path, known=identity_in_config(json.loads(args["model_config"])))
+
+
+def pbtxt_string(text: str) -> str:
+    """A protobuf text-format string literal: quotes, backslashes and anything outside printable ASCII
+    escaped (the latter as octal bytes of its UTF-8)."""
+    out = []
+    for byte in text.encode("utf-8"):
+        char = chr(byte)
+        if char in "\\\"":
+            out.append("\\" + char)
+        elif 0x20 <= byte < 0x7F:
+            out.append(char)
+        else:
+            out.append(f"\\{byte:03o}")
+    return '"' + "".join(out) + '"'
+
+
+def with_identity(config_text: str, ident: identity.Identity) -> str:
+    """config.pbtxt with the checkpoint's identity added as parameters (a second `parameters` list: the
+    text format merges repeated fields)."""
+    entries = ",\n".join(f"  {{ key: {pbtxt_string(k)} value: {{ string_value: {pbtxt_string(v)} }} }}"
+                         for k, v in identity_parameters(ident).items())
+    return (config_text.rstrip("\n") + "\n\n# The checkpoint served (added by the launcher; "
+            "colibri.triton_config.stage_repository)\nparameters [\n" + entries + "\n]\n")
+
+
+def stage_repository(repository, out, model: str, weights, rewrite: Optional[Callable[[str], str]] = None):
+    """Makes `out` a copy of the model repository made of links, with `model`'s config.pbtxt rewritten
+    (by `rewrite`, if given) and naming the checkpoint `weights`. Returns the checkpoint's identity."""
+    repository, out = Path(repository), Path(out)
+    config = repository / model / "config.pbtxt"
+    if not config.is_file():
+        raise FileNotFoundError(f"{repository} has no {model}/config.pbtxt")
+    ident = identity.of(weights)
+    for folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+        target = out / folder.name
+        target.mkdir(parents=True)
+        for entry in folder.iterdir():
+            if entry == config:
+                text = rewrite(entry.read_text()) if rewrite else entry.read_text()
+                (target / entry.name).write_text(with_identity(text, ident))
+            else:
+                (target / entry.name).symlink_to(entry.resolve())
+    return ident

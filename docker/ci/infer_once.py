@@ -1,5 +1,6 @@
 """One HTTP/JSON inference request to a served colibri_moe (python stdlib only): reads H from the
-model's metadata, sends T tokens, and checks that the answer is [T, H], FP32 and finite.
+model's metadata, sends T tokens, and checks that the answer is [T, H], FP32 and finite; prints the
+checkpoint the model's config names (COLIBRI_CHECKPOINT_* parameters).
     python3 docker/ci/infer_once.py [http://127.0.0.1:8000] [T]"""
 import json
 import math
@@ -16,6 +17,14 @@ with urllib.request.urlopen(model, timeout=30) as reply:
 hidden = next(i for i in metadata["inputs"] if i["name"] == "hidden_states")
 width = hidden["shape"][-1]
 assert width > 0, f"hidden_states has no fixed width in the metadata: {hidden}"
+
+with urllib.request.urlopen(f"{model}/config", timeout=30) as reply:
+    parameters = json.load(reply).get("parameters", {})
+served = {key[len("COLIBRI_CHECKPOINT_"):]: value["string_value"] for key, value in parameters.items()
+          if key.startswith("COLIBRI_CHECKPOINT_")}
+assert len(served.get("SHA256", "")) == 64, f"the config does not name the checkpoint served: {sorted(parameters)}"
+print(f"infer_once: serving {served['FILE']} ({served['BYTES']} bytes, sha256 {served['SHA256']}, "
+      f"demo: {served['DEMO']})")
 
 rng = random.Random(0)
 body = {"inputs": [{"name": "hidden_states", "shape": [tokens, width], "datatype": "FP32",

@@ -1,6 +1,8 @@
 #!/bin/bash
 # CI: the image built and started the way README's Docker section says, with the CPU-only build, then
-# one HTTP/JSON inference request (docker/ci/infer_once.py) and `down -v`. This machine has no Docker
+# one HTTP/JSON inference request (docker/ci/infer_once.py; the config names the demo checkpoint) and
+# `down -v`. Then the same image with COLIBRI_WEIGHTS_DIR set to an empty host folder: the start must
+# fail, in one line naming that folder, and write nothing into it. This machine has no Docker
 # daemon: podman-docker.sh (a copy of ../shared/tools') drives podman through the Docker API for the
 # real `docker compose`, with a local debian:bookworm-slim. Needs root (apt, rootful podman).
 # Host ports are free ones (COLIBRI_*_PORT), so that a server already on 8000 does not fail the run.
@@ -44,6 +46,28 @@ stamp "built, healthy"
 docker image ls colibri-triton
 podman image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep colibri-triton
 
-python3 docker/ci/infer_once.py "http://127.0.0.1:$COLIBRI_HTTP_PORT" 4
+served=$(python3 docker/ci/infer_once.py "http://127.0.0.1:$COLIBRI_HTTP_PORT" 4)
+echo "$served"
+grep -q "demo: yes" <<<"$served" || { echo "smoke: the config does not say the checkpoint is a demo" >&2; exit 1; }
 "${compose[@]}" down -v
 stamp "down"
+
+# A host folder without the checkpoint (a typo in COLIBRI_WEIGHTS_DIR, say): no demo in it, no healthy
+# container, the reason in one line. The image built above, not rebuilt.
+host=$(mktemp -d)
+chmod 755 "$host"
+if COLIBRI_CUDA=0 COLIBRI_WEIGHTS_DIR="$host" "${compose[@]}" up --no-build --wait triton-cpu; then
+  echo "smoke: started with no checkpoint in $host" >&2
+  exit 1
+fi
+reason="no weights.colibri.safetensors in the host folder $host, mounted at /weights (COLIBRI_WEIGHTS_DIR)"
+logs=$(COLIBRI_CUDA=0 "${compose[@]}" logs --no-log-prefix triton-cpu 2>&1)
+container=$(COLIBRI_CUDA=0 "${compose[@]}" ps --all --quiet triton-cpu)
+state=$(docker inspect --format '{{.State.Status}} {{.State.ExitCode}}' "$container")
+echo "smoke: with an empty host folder: $state; $(grep -cF "$reason" <<<"$logs") start(s) said: $(grep -m1 -F "$reason" <<<"$logs")"
+grep -qF "$reason" <<<"$logs" || { echo "smoke: the reason is not in the log:" >&2; echo "$logs" >&2; exit 1; }
+[ "$state" = "exited 1" ] || { echo "smoke: container $state, expected exited 1" >&2; exit 1; }
+[ -z "$(ls -A "$host")" ] || { echo "smoke: something was written into $host: $(ls -A "$host")" >&2; exit 1; }
+COLIBRI_CUDA=0 "${compose[@]}" down -v
+rmdir "$host"
+stamp "an empty host folder refused"

@@ -164,7 +164,11 @@ class TritonPythonModel:
                 description="Time to compute one batch of requests: its MoE forwards until the device is done",
                 kind=families.HISTOGRAM)
             self.forward_seconds = self.seconds_family.Metric(labels=labels, buckets=FORWARD_SECONDS_BUCKETS)
-        pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {path}")
+        # What is served, in one line (the config's COLIBRI_CHECKPOINT_* parameters say the same).
+        checkpoint = triton_config.instance_identity(args, path)
+        pb_utils.Logger.log_info(f"colibri_moe: {self.layer} from {checkpoint.describe()}")
+        if checkpoint.note:
+            pb_utils.Logger.log_info(f"colibri_moe: {checkpoint.note}")
         counts = triton_config.warmup_tokens(args, on_gpu)
         if counts:
             seconds = self._warm_up(triton_config.activation_dtype(args), counts)
