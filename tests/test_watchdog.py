@@ -138,3 +138,11 @@ def test_url_of_a_tritonserver_command():
     assert watchdog.url_of(["tritonserver", "--http-port=9000", "--http-address=0.0.0.0"]) == "http://127.0.0.1:9000"
     assert watchdog.url_of(["tritonserver", "--http-port", "9001", "--http-address", "10.1.2.3"]) == \
         "http://10.1.2.3:9001"
+
+
+def test_watch_help_prints_the_help(colibri_cli):
+    """`watch --help` shows the options; only a run without `-- COMMAND` is told to give one."""
+    result = colibri_cli("watch", "--help")
+    assert result.returncode == 0 and "--probe-interval" in result.stdout, result.stderr
+    result = colibri_cli("watch", "--probe-interval", "2")
+    assert result.returncode == 2 and "give the server command after --" in result.stderr

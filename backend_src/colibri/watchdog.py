@@ -379,6 +379,7 @@ def main_watch(argv) -> int:
                         help="seconds a (re)started server has to answer its first probe")
     add_probe_arguments(parser)
     if "--" not in argv:
+        parser.parse_args(argv)  # --help prints the help and exits; anything else is refused below
         parser.error("give the server command after --")
     split = argv.index("--")
     args, command = parser.parse_args(argv[:split]), argv[split + 1:]
