@@ -90,6 +90,40 @@ static int all_finite(const float *f, size_t n) {
     return 1;
 }
 
+/* Weight i of a buffer of dtype is finite: decoded as each format defines it (an unknown dtype's
+ * buffer is never read, so any). */
+static int weight_finite(colibri_dtype_t dtype, const void *p, size_t i) {
+    const unsigned char *bytes = (const unsigned char *)p;
+    switch (dtype) {
+    case COLIBRI_DTYPE_F32: { float v; memcpy(&v, bytes + 4 * i, 4); return isfinite(v); }
+    case COLIBRI_DTYPE_BF16: {
+        uint16_t h; memcpy(&h, bytes + 2 * i, 2);
+        const uint32_t bits = (uint32_t)h << 16;
+        float v; memcpy(&v, &bits, 4);
+        return isfinite(v);
+    }
+    case COLIBRI_DTYPE_F16: { uint16_t h; memcpy(&h, bytes + 2 * i, 2); return (h >> 10 & 0x1f) != 0x1f; }
+    case COLIBRI_DTYPE_F8E4M3: return (bytes[i] & 0x7f) != 0x7f; /* e4m3fn: S.1111.111 is NaN, no inf */
+    }
+    return 1;
+}
+
+static int weights_finite(colibri_dtype_t dtype, const void *p, size_t first, size_t n) {
+    for (size_t i = first; i < first + n; i++)
+        if (!weight_finite(dtype, p, i)) return 0;
+    return 1;
+}
+
+/* Mostly finite weights, so that most layers get past the finiteness check: a non-finite weight's top
+ * exponent bit is cleared unless the input keeps it. */
+static void mostly_finite(bytes_t *b, colibri_dtype_t dtype, void *p, size_t n) {
+    const size_t size = colibri_dtype_size(dtype);
+    if (!p || !size || take_u8(b) % 4 == 0) return;
+    unsigned char *bytes = (unsigned char *)p;
+    for (size_t i = 0; i < n; i++)
+        if (!weight_finite(dtype, p, i)) bytes[i * size + size - 1] &= 0xbf; /* the top exponent bit in every format */
+}
+
 /* ------------------------------------------------------------------------------------------------
  * a routing_fn that is good until the call numbered fail_at, where it does `misbehave`
  * ---------------------------------------------------------------------------------------------- */
@@ -194,6 +228,7 @@ static void layer_take_appended(bytes_t *b, layer_t *L) {
             L->shared = take_floats(b, 3 * Fs * H);
         else
             L->shared = take_buffer(b, 3 * Fs * H * colibri_dtype_size(c->weight_dtype));
+        mostly_finite(b, c->weight_dtype, L->shared, 3 * Fs * H);
     }
     if ((c->shared_gate == 1) ^ (flip >> 2 & 1)) L->gate = take_floats(b, H);
     if (flips & 0x40) L->logit_bias = take_floats(b, E); /* with or without a router */
@@ -252,6 +287,7 @@ static void layer_take(bytes_t *b, layer_t *L) {
     L->numel = packed > shortfall ? packed - shortfall : 0;
     const size_t wsize = colibri_dtype_size(c->weight_dtype) ? colibri_dtype_size(c->weight_dtype) : 4;
     L->weights = take_buffer(b, (size_t)L->numel * wsize);
+    mostly_finite(b, c->weight_dtype, L->weights, (size_t)L->numel);
     L->offsets = (uint64_t *)malloc((size_t)(E ? E : 1) * sizeof *L->offsets);
     const uint8_t layout = take_u8(b) % 4;
     for (int e = 0; e < E; e++) {
@@ -300,11 +336,20 @@ static int experts_fit(const layer_t *L) {
     return 1;
 }
 
+/* "Every weight must be finite": each expert's elements (not the gaps between them) */
+static int experts_finite(const layer_t *L) {
+    const colibri_moe_config_t *c = &L->cfg;
+    const uint64_t n = colibri_expert_numel(c->expert_kind, c->hidden_size, c->intermediate_size);
+    for (int e = 0; e < c->num_experts; e++)
+        if (!weights_finite(c->weight_dtype, L->weights, (size_t)L->offsets[e], (size_t)n)) return 0;
+    return 1;
+}
+
 /* The header's rules for init, written independently of colibri.c. */
 static int init_should_succeed(const layer_t *L) {
     const colibri_moe_config_t *c = &L->cfg;
     if (L->null_out_ctx || L->null_config || L->null_weights || L->null_offsets) return 0;
-    if (!base_config_ok(c) || !experts_fit(L)) return 0;
+    if (!base_config_ok(c) || !experts_fit(L) || !experts_finite(L)) return 0;
     if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) return 0; /* fp8 needs scale grids, which init cannot take */
     if (L->router) {
         if (!all_finite(L->router, (size_t)c->num_experts * (size_t)c->hidden_size)) return 0;
@@ -320,7 +365,7 @@ static int init_should_succeed(const layer_t *L) {
 static int create_should_succeed(const layer_t *L) {
     const colibri_moe_config_t *c = &L->cfg;
     if (L->null_out_ctx || L->null_config || L->null_weight_struct || L->null_weights || L->null_offsets) return 0;
-    if (!base_config_ok(c) || !experts_fit(L)) return 0;
+    if (!base_config_ok(c) || !experts_fit(L) || !experts_finite(L)) return 0;
     const size_t E = (size_t)c->num_experts, H = (size_t)c->hidden_size, F = (size_t)c->intermediate_size;
 
     /* "0 or 1: no group limit; else E % n_group == 0", with the topk_group and group_score it uses */
@@ -364,6 +409,8 @@ static int create_should_succeed(const layer_t *L) {
     }
     if ((L->expert_bias != NULL) != (c->expert_bias == 1)) return 0;
     if ((L->shared != NULL) != (c->shared_intermediate_size > 0)) return 0;
+    if (L->shared && !weights_finite(c->weight_dtype, L->shared, 0, 3 * (size_t)c->shared_intermediate_size * H))
+        return 0;
     if ((L->gate != NULL) != (c->shared_gate == 1)) return 0;
     if (L->bias && c->routing != COLIBRI_ROUTING_SIGMOID_BIAS) return 0;
     if (L->logit_bias && !L->router) return 0; /* added to logits there are none of */

@@ -187,7 +187,9 @@ typedef struct {
  * the shared gate are copied (as fp32), in both cases. router_weight
  * may be NULL only if every forward passes topk_ids or the config has a routing_fn. A weight the
  * config asks for must be given, and one it does not ask for must be NULL (so nothing given is
- * silently unused). */
+ * silently unused). Every weight must be finite: a NaN or an infinity (fp8: a NaN code) anywhere in the
+ * routed experts, the shared expert or the fp32 arrays is refused with INVALID_ARGUMENT naming the first
+ * one (expert, matrix, row and column); the experts are read once for it, in parallel. */
 colibri_status_t colibri_moe_context_create(
     colibri_moe_context_t **out_ctx,      /* receives the new context; set to NULL on failure */
     const colibri_moe_config_t *config,
@@ -262,6 +264,10 @@ uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size,
                               int32_t intermediate_size);   /* elements of one expert, 0 if invalid */
 uint64_t colibri_scales_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size,
                               int32_t scale_block_n, int32_t scale_block_k); /* fp8 scales of one expert, 0 if invalid */
+/* The index of the first of n weights of dtype that is NaN or infinite (fp8 e4m3: a NaN code, 0x7f or
+ * 0xff), or n when all are finite (and for an unknown dtype). colibri_moe_context_create refuses a
+ * layer whose experts or shared expert hold one. */
+uint64_t colibri_first_nonfinite(colibri_dtype_t dtype, const void *weights, uint64_t n);
 
 /* COLIBRI_CDEF_END */
 

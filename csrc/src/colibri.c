@@ -4,6 +4,7 @@
  * most workspace_tokens tokens so backends never allocate per call.
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -151,6 +152,32 @@ static colibri_status_t check_given(const void *ptr, int wanted, const char *nam
     return COLIBRI_OK;
 }
 
+/* The first non-finite weight of an expert's buffer (kind, width F), named by matrix, row and column:
+ * "expert 3's down [12, 40] is NaN". Returns OK when every weight is finite. */
+static colibri_status_t check_expert_finite(colibri_dtype_t dtype, const void *weights, colibri_expert_kind_t kind,
+                                            int32_t H, int32_t F, const char *what, int32_t index) {
+    const uint64_t numel = colibri_expert_numel(kind, H, F), i = colibri_first_nonfinite(dtype, weights, numel);
+    if (i == numel) return COLIBRI_OK;
+    const uint64_t fh = (uint64_t)F * (uint64_t)H, m = kind == COLIBRI_EXPERT_SWIGLU ? i / fh : 0, at = i - m * fh;
+    static const char *const names[2][3] = {{"gate", "up", "down"}, {"w", "w", "w"}};
+    const uint64_t cols = m == 2 ? (uint64_t)F : (uint64_t)H; /* down is [H, F], the others [F, H] */
+    uint32_t bits = 0;
+    memcpy(&bits, (const char *)weights + i * colibri_dtype_size(dtype), colibri_dtype_size(dtype));
+    const int negative = dtype == COLIBRI_DTYPE_F32 ? bits >> 31 : dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : bits >> 15 & 1;
+    const int nan = dtype == COLIBRI_DTYPE_F32 ? (bits & 0x7fffffffu) > 0x7f800000u
+                    : dtype == COLIBRI_DTYPE_F16 ? (bits & 0x7fff) > 0x7c00
+                    : dtype == COLIBRI_DTYPE_BF16 ? (bits & 0x7fff) > 0x7f80 : 1;
+    char value[48];
+    if (dtype == COLIBRI_DTYPE_F8E4M3) snprintf(value, sizeof value, "the fp8 NaN code 0x%02x", (unsigned)bits);
+    else snprintf(value, sizeof value, "%s", nan ? "NaN" : negative ? "-Inf" : "+Inf");
+    char who[48];
+    if (index >= 0) snprintf(who, sizeof who, "%s %d's", what, (int)index);
+    else snprintf(who, sizeof who, "%s's", what);
+    return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "%s %s [%llu, %llu] is %s: weights must be finite", who,
+                             names[kind == COLIBRI_EXPERT_SWIGLU ? 0 : 1][m], (unsigned long long)(at / cols),
+                             (unsigned long long)(at % cols), value);
+}
+
 /* The shared expert's m slices of width F as experts of the packed layout: gate and up rows
  * [i F, i F + F) and those columns of down, zero past Fs. */
 static void *repack_shared(const colibri_moe_config_t *c, const void *shared, int32_t m, uint64_t numel) {
@@ -243,6 +270,16 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
                                      e, (unsigned long long)w->expert_offsets[e], (unsigned long long)numel,
                                      (unsigned long long)w->expert_weights_numel);
     }
+    /* before anything is allocated: a layer holding a NaN would compute NaN for every token routed to it */
+    const size_t wsize = colibri_dtype_size(c->weight_dtype);
+    for (int32_t e = 0; e < c->num_experts; e++)
+        if ((st = check_expert_finite(c->weight_dtype, (const char *)w->expert_weights + w->expert_offsets[e] * wsize,
+                                      c->expert_kind, c->hidden_size, c->intermediate_size, "expert", e)))
+            return st;
+    if (c->shared_intermediate_size > 0 &&
+        (st = check_expert_finite(c->weight_dtype, w->shared_weights, COLIBRI_EXPERT_SWIGLU, c->hidden_size,
+                                  c->shared_intermediate_size, "the shared expert", -1)))
+        return st;
 
     colibri_moe_context_t *ctx = (colibri_moe_context_t *)calloc(1, sizeof *ctx);
     if (!ctx) return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the context");
@@ -260,8 +297,6 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
             free_context(ctx);
             return colibri_set_error(COLIBRI_ERR_OUT_OF_MEMORY, "cannot allocate the shared expert's copy");
         }
-        /* not checked for finiteness: colibri.h ranks the shared weights with the experts' (weight_dtype,
-         * taken as they are), not with the fp32 arrays it copies and checks */
     }
     if (fp8) {
         /* checked finite like the other fp32 weights; the shared slices' grids follow the routed experts' */

@@ -1,10 +1,12 @@
 /*
  * common.c — what the front end and every backend share: status strings, the per-thread error
- * message, dtype sizes, and the host-side check of given routing. Depends on nothing else here.
+ * message, dtype sizes, the host-side checks of given routing and of weights' finiteness. Depends on
+ * nothing else here.
  */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -90,4 +92,70 @@ colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t
                                      (double)topk_weights[i]);
     }
     return COLIBRI_OK;
+}
+
+/* Non-finite iff the magnitude bits reach the all-ones exponent: a max over masked words, which the
+ * compiler vectorises; blocks of a fixed size keep the inner loop free of a remainder. */
+#define NONFINITE_BLOCK 65536
+
+#define DEFINE_BLOCK_BAD(name, type, mask, limit)                                   \
+    static int name(const type *p, uint64_t n) {                                   \
+        type m = 0;                                                                \
+        if (n == NONFINITE_BLOCK) {                                                \
+            for (uint64_t i = 0; i < NONFINITE_BLOCK; i++) {                       \
+                const type v = (type)(p[i] & (mask));                              \
+                m = v > m ? v : m;                                                 \
+            }                                                                      \
+        } else {                                                                   \
+            for (uint64_t i = 0; i < n; i++) {                                     \
+                const type v = (type)(p[i] & (mask));                              \
+                m = v > m ? v : m;                                                 \
+            }                                                                      \
+        }                                                                          \
+        return m >= (limit);                                                       \
+    }
+DEFINE_BLOCK_BAD(block_bad_f32, uint32_t, 0x7fffffffu, 0x7f800000u)
+DEFINE_BLOCK_BAD(block_bad_f16, uint16_t, 0x7fff, 0x7c00)
+DEFINE_BLOCK_BAD(block_bad_bf16, uint16_t, 0x7fff, 0x7f80)
+DEFINE_BLOCK_BAD(block_bad_f8e4m3, uint8_t, 0x7f, 0x7f)
+
+static int block_bad(colibri_dtype_t dtype, const char *p, uint64_t n) {
+    switch (dtype) {
+    case COLIBRI_DTYPE_F32: return block_bad_f32((const uint32_t *)(const void *)p, n);
+    case COLIBRI_DTYPE_F16: return block_bad_f16((const uint16_t *)(const void *)p, n);
+    case COLIBRI_DTYPE_BF16: return block_bad_bf16((const uint16_t *)(const void *)p, n);
+    case COLIBRI_DTYPE_F8E4M3: return block_bad_f8e4m3((const uint8_t *)p, n);
+    }
+    return 0;
+}
+
+uint64_t colibri_first_nonfinite(colibri_dtype_t dtype, const void *weights, uint64_t n) {
+    const size_t size = colibri_dtype_size(dtype);
+    if (!weights || size == 0 || n == 0) return n;
+    const char *base = (const char *)weights;
+    const int64_t blocks = (int64_t)((n + NONFINITE_BLOCK - 1) / NONFINITE_BLOCK);
+    int64_t first = blocks;
+    /* the whole pass in parallel (all finite is the case to make fast), then the first bad block alone */
+#pragma omp parallel for schedule(static) reduction(min : first) if (blocks > 8)
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint64_t at = (uint64_t)b * NONFINITE_BLOCK, len = n - at < NONFINITE_BLOCK ? n - at : NONFINITE_BLOCK;
+        /* unaligned buffers (a caller's, or a file's) are read a word at a time through a copy */
+        if (((uintptr_t)(base + at * size) % size) == 0) {
+            if (block_bad(dtype, base + at * size, len) && b < first) first = b;
+        } else {
+            for (uint64_t i = 0; i < len; i++) {
+                uint32_t word = 0;
+                memcpy(&word, base + (at + i) * size, size);
+                if (block_bad(dtype, (const char *)&word, 1) && b < first) { first = b; break; }
+            }
+        }
+    }
+    if (first == blocks) return n;
+    const uint64_t at = (uint64_t)first * NONFINITE_BLOCK;
+    for (uint64_t i = at; i < n; i++) {
+        uint32_t word = 0;
+        memcpy(&word, base + i * size, size);
+        if (block_bad(dtype, (const char *)&word, 1)) return i;
+    }
+    return n; /* not reached: the block held one */
 }

@@ -836,7 +836,10 @@ static void test_conversions(void) {
         uint16_t *all = malloc(0x10000 * sizeof *all);
         for (uint32_t h = 0; h < 0x10000; h++) all[h] = (uint16_t)h, value_of[h] = decode(all, d, h);
 
-        /* every 16-bit pattern as a weight: w * 1 = w, written as fp32 */
+        /* every finite 16-bit pattern as a weight: w * 1 = w, written as fp32 (the others are refused:
+         * test_nonfinite_weights; here they become 0) */
+        uint16_t *finite = malloc(0x10000 * sizeof *finite);
+        for (uint32_t h = 0; h < 0x10000; h++) finite[h] = isfinite(value_of[h]) ? (uint16_t)h : 0;
         layer_t L;
         memset(&L, 0, sizeof L);
         L.cfg = (colibri_moe_config_t){.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = d, .num_experts = 1, .top_k = 1,
@@ -844,13 +847,14 @@ static void test_conversions(void) {
                                        .workspace_tokens = 0, .device = COLIBRI_DEVICE_CPU};
         uint64_t off = 0;
         colibri_moe_context_t *ctx = NULL;
-        CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, all, &off, 0x10000, NULL, NULL), COLIBRI_OK);
+        CHECK_STATUS(colibri_moe_context_init(&ctx, &L.cfg, finite, &off, 0x10000, NULL, NULL), COLIBRI_OK);
         float *out = malloc(0x10000 * sizeof *out), one = 1.0f, wt = 1.0f;
         int32_t id = 0;
         poison(out, COLIBRI_DTYPE_F32, 0x10000);
         CHECK_STATUS(colibri_moe_forward(ctx, 1, COLIBRI_DTYPE_F32, &one, &id, &wt, out, NULL), COLIBRI_OK);
         int bad = 0;
-        for (uint32_t h = 0; h < 0x10000; h++) bad += !same_value(out[h], value_of[h]);
+        for (uint32_t h = 0; h < 0x10000; h++) bad += !same_value(out[h], value_of[finite[h]]);
+        free(finite);
         CHECK(bad == 0, "%s weights: %d of 65536 patterns decoded wrongly", dtype_name(d), bad);
         colibri_moe_context_destroy(ctx);
 
@@ -874,14 +878,15 @@ static void test_conversions(void) {
 
         /* outputs: fp32 values at, halfway between and just either side of the halfway point of every pair of
          * neighbouring 16-bit values, written by a LINEAR layer of F = n rows holding them as fp32 weights,
-         * applied to x = 1. The result must be the nearest value, ties to the even pattern. */
+         * applied to x = 1. The result must be the nearest value, ties to the even pattern; past the largest
+         * finite value, infinity. (NaN and infinities as outputs: the inputs' round trip above.) */
         float *vals = malloc(4 * 0x10000 * sizeof *vals);
         uint16_t *want = malloc(4 * 0x10000 * sizeof *want);
         int n = 0;
         for (uint32_t h = 0; h < 0x10000; h++) {
-            if (isnan(value_of[h])) continue;
+            if (!isfinite(value_of[h])) continue;
             vals[n] = (float)value_of[h], want[n++] = (uint16_t)h;
-            if (isinf(value_of[h]) || h + 1 > 0xffff || isnan(value_of[h + 1])) continue;
+            if (h + 1 > 0xffff || isnan(value_of[h + 1])) continue;
             /* the largest finite value's upper neighbour is infinity: round up from max + half an ulp */
             const double upper = isinf(value_of[h + 1]) ? 2 * value_of[h] - value_of[h - 1] : value_of[h + 1];
             const float mid = (float)((value_of[h] + upper) / 2); /* exact: one bit more than 16-bit */
@@ -889,7 +894,6 @@ static void test_conversions(void) {
             vals[n] = nextafterf(mid, 0.0f), want[n++] = (uint16_t)h; /* toward zero: the smaller magnitude */
             vals[n] = nextafterf(mid, signbit(mid) ? -INFINITY : INFINITY), want[n++] = (uint16_t)(h + 1);
         }
-        vals[n] = NAN, want[n++] = d == COLIBRI_DTYPE_F16 ? 0x7e00 : 0x7fc0;
         L.cfg = (colibri_moe_config_t){.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = COLIBRI_DTYPE_F32, .num_experts = 1, .top_k = 1,
                                        .hidden_size = 1, .intermediate_size = n, .routed_scaling_factor = 1.0f,
                                        .workspace_tokens = 0, .device = COLIBRI_DEVICE_CPU};
@@ -924,11 +928,12 @@ static void test_conversions(void) {
 static int error_mentions(const char *word);
 
 static void test_fp8(void) {
-    /* every code as a weight with per-channel scales: out = fp32(value * scale), NaN codes NaN */
+    /* every code but the NaN ones (refused: test_nonfinite_weights; 0 here) as a weight with per-channel
+     * scales: out = fp32(value * scale) */
     {
         uint8_t all[256];
         float scale[256], out[256], one = 1.0f, wt = 1.0f;
-        for (int i = 0; i < 256; i++) all[i] = (uint8_t)i, scale[i] = i % 2 ? (float)uniform(0.01, 100) : 1.0f;
+        for (int i = 0; i < 256; i++) all[i] = (i & 0x7f) == 0x7f ? 0 : (uint8_t)i, scale[i] = i % 2 ? (float)uniform(0.01, 100) : 1.0f;
         colibri_moe_config_t c = {.expert_kind = COLIBRI_EXPERT_LINEAR, .weight_dtype = COLIBRI_DTYPE_F8E4M3,
                                   .num_experts = 1, .top_k = 1, .hidden_size = 1, .intermediate_size = 256,
                                   .routed_scaling_factor = 1.0f, .device = COLIBRI_DEVICE_CPU, .scale_block_n = 1};
@@ -1315,6 +1320,88 @@ static void test_bad_input(void) {
 #undef EXPECT_UNTOUCHED
 }
 
+/* Non-finite weights: colibri_first_nonfinite on buffers around its block size, aligned or not, and
+ * colibri_moe_context_create refusing a NaN or an infinity in any matrix of an expert or the shared
+ * expert, named by expert, matrix, row and column. */
+/* Writes a non-finite weight i as its bits (which: 0 NaN, 1 +Inf, 2 -Inf; fp8 has only NaN codes), any
+ * alignment. */
+static void put_nonfinite(void *p, colibri_dtype_t d, size_t i, int which) {
+    const uint32_t f32[3] = {0x7fc00000u, 0x7f800000u, 0xff800000u};
+    const uint16_t f16[3] = {0x7e00, 0x7c00, 0xfc00}, bf16[3] = {0x7fc0, 0x7f80, 0xff80};
+    const uint8_t f8[3] = {0x7f, 0xff, 0x7f};
+    const void *bits = d == COLIBRI_DTYPE_F32 ? (const void *)&f32[which] : d == COLIBRI_DTYPE_F16 ? (const void *)&f16[which]
+                     : d == COLIBRI_DTYPE_BF16 ? (const void *)&bf16[which] : (const void *)&f8[which];
+    memcpy((char *)p + i * colibri_dtype_size(d), bits, colibri_dtype_size(d));
+}
+
+static void test_nonfinite_weights(void) {
+    const colibri_dtype_t dtypes[] = {COLIBRI_DTYPE_F32, COLIBRI_DTYPE_F16, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F8E4M3};
+    const uint64_t sizes[] = {1, 7, 65535, 65536, 65537, 3 * 65536 + 7};
+    for (int d = 0; d < 4; d++) {
+        const colibri_dtype_t dt = dtypes[d];
+        const size_t es = colibri_dtype_size(dt);
+        for (int s = 0; s < 6; s++)
+            for (int misalign = 0; misalign < 2; misalign++) {
+                const uint64_t n = sizes[s];
+                unsigned char *raw = malloc((size_t)(n + 1) * es), *values = malloc((size_t)n * es);
+                unsigned char *buf = raw + (misalign ? 1 : 0);
+                for (uint64_t i = 0; i < n; i++) encode_trunc(values, dt, i, uniform(-448, 448));
+                memcpy(buf, values, (size_t)n * es);
+                free(values);
+                CHECK(colibri_first_nonfinite(dt, buf, n) == n, "dtype %d n=%llu: all finite, got %llu", (int)dt,
+                      (unsigned long long)n, (unsigned long long)colibri_first_nonfinite(dt, buf, n));
+                /* two bad values: the first must be found, whichever block each is in */
+                const uint64_t first = (uint64_t)randint(0, (int32_t)(n - 1)), later = first + (n - first) / 2;
+                put_nonfinite(buf, dt, later, 0);
+                put_nonfinite(buf, dt, first, randint(0, 2));
+                CHECK(colibri_first_nonfinite(dt, buf, n) == first, "dtype %d n=%llu misaligned=%d: first at %llu, got %llu",
+                      (int)dt, (unsigned long long)n, misalign, (unsigned long long)first,
+                      (unsigned long long)colibri_first_nonfinite(dt, buf, n));
+                free(raw);
+            }
+        /* the largest finite values are finite: 448 (fp8 0x7e), 65504 (fp16), FLT_MAX (f32, bf16 0x7f7f) */
+        unsigned char edge[8] = {0};
+        if (dt == COLIBRI_DTYPE_F8E4M3) edge[0] = 0x7e, edge[1] = 0xfe;
+        if (dt == COLIBRI_DTYPE_F16) edge[0] = 0xff, edge[1] = 0x7b, edge[2] = 0xff, edge[3] = 0xfb;
+        if (dt == COLIBRI_DTYPE_BF16) edge[0] = 0x7f, edge[1] = 0x7f, edge[2] = 0x7f, edge[3] = 0xff;
+        if (dt == COLIBRI_DTYPE_F32) edge[0] = 0xff, edge[1] = 0xff, edge[2] = 0x7f, edge[3] = 0x7f;
+        const uint64_t edges = dt == COLIBRI_DTYPE_F32 ? 1 : 2;
+        CHECK(colibri_first_nonfinite(dt, edge, edges) == edges, "dtype %d: the largest finite value refused", (int)dt);
+    }
+
+    const char *matrices[2][3] = {{"gate", "up", "down"}, {"w", "w", "w"}};
+    for (int d = 0; d < 4; d++)
+        for (int kind = 0; kind < 2; kind++)
+            for (int m = 0; m < (kind ? 1 : 3); m++)
+                for (int shared = 0; shared < (kind ? 1 : 2); shared++) {
+                    const colibri_dtype_t dt = dtypes[d];
+                    const colibri_expert_kind_t ek = kind ? COLIBRI_EXPERT_LINEAR : COLIBRI_EXPERT_SWIGLU;
+                    const int E = 4, H = 24, F = 16;
+                    layer_t L;
+                    layer_make(&L, ek, dt, E, 2, H, F, 1, 0);
+                    if (shared) layer_add_features(&L, F_SHARED, 1);
+                    if (dt == COLIBRI_DTYPE_F8E4M3) layer_scale_fp8(&L, 0, 0);
+                    colibri_moe_context_t *ctx = NULL;
+                    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_OK);
+                    colibri_moe_context_destroy(ctx);
+                    ctx = NULL;
+                    /* one bad weight at a random place of matrix m of a random expert (or of the shared expert) */
+                    const int Fm = shared ? L.cfg.shared_intermediate_size : F, e = randint(0, E - 1);
+                    const int rows = m == 2 ? H : Fm, cols = m == 2 ? Fm : H, r = randint(0, rows - 1), col = randint(0, cols - 1);
+                    const uint64_t at = (uint64_t)m * Fm * H + (uint64_t)r * cols + col;
+                    void *target = shared ? L.shared : L.weights;
+                    const uint64_t index = shared ? at : L.offsets[e] + at;
+                    put_nonfinite(target, dt, index, randint(0, 2));
+                    CHECK_STATUS(layer_init(&L, &ctx), COLIBRI_ERR_INVALID_ARGUMENT);
+                    char want[96];
+                    if (shared) snprintf(want, sizeof want, "the shared expert's %s [%d, %d] is ", matrices[kind][m], r, col);
+                    else snprintf(want, sizeof want, "expert %d's %s [%d, %d] is ", e, matrices[kind][m], r, col);
+                    CHECK(ctx == NULL && error_mentions(want), "dtype %d: want \"%s\", got \"%s\"", (int)dt, want,
+                          colibri_last_error());
+                    layer_free(&L);
+                }
+}
+
 static void test_strings(void) {
     const colibri_status_t all[] = {COLIBRI_OK, COLIBRI_ERR_INVALID_ARGUMENT, COLIBRI_ERR_OUT_OF_MEMORY, COLIBRI_ERR_UNSUPPORTED,
                                     COLIBRI_ERR_CUDA, COLIBRI_ERR_ROUTING, COLIBRI_ERR_INTERNAL};
@@ -1339,6 +1426,7 @@ int main(int argc, char **argv) {
     const clock_t start = clock();
     test_strings();
     test_bad_input();
+    test_nonfinite_weights();
     test_conversions();
     test_expert_counts();
     test_chunking_and_determinism();
