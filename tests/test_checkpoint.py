@@ -104,7 +104,7 @@ BAD_METADATA = {
     "not_int": (lambda m: m.update(num_experts="eight"), "metadata num_experts='eight' is not an integer"),
     "routing": (lambda m: m.update(routing="random"), "metadata routing='random' is not one of"),
     "renormalize": (lambda m: m.update(renormalize="maybe"), "metadata renormalize='maybe'"),
-    "scaling": (lambda m: m.update(routed_scaling_factor="big"), "routed_scaling_factor='big' is not a number"),
+    "scaling": (lambda m: m.update(routed_scaling_factor="big"), "routed_scaling_factor='big' is not a finite decimal number"),
     "invalid_layer": (lambda m: m.update(top_k="99"), "metadata describes an invalid layer"),
     "shape_mismatch": (lambda m: m.update(hidden_size="65"), r"tensor 'experts' has shape \[8, 18432\], expected \[8, 18720\]"),
 }

@@ -33,6 +33,7 @@ did. A reader refuses a version it does not know.
 Also the synthetic demo checkpoint (`write_demo`)."""
 import dataclasses
 import pathlib
+import re
 
 import numpy as np
 
@@ -50,6 +51,14 @@ REQUIRED_METADATA = ("expert_kind", "num_experts", "top_k", "hidden_size", "inte
 V1_TENSORS = ("experts", "router", "router_bias")
 V2_TENSORS = V1_TENSORS + ("router_logit_bias", "expert_bias", "shared_expert", "shared_expert_gate")
 V3_TENSORS = V2_TENSORS + ("expert_scales", "shared_expert_scales")
+# A packed file's header is small (at most ten tensors and some forty metadata keys); a larger one is refused
+# before it is parsed.
+MAX_HEADER_BYTES = 1024 * 1024
+# Metadata numbers as the writer writes them (str(int), repr(float)): ASCII, no spaces or underscores,
+# and short, so no digit string Python's int() would refuse or take long over reaches it.
+_INTEGER = re.compile(r"-?[0-9]{1,10}")
+_DECIMAL = re.compile(r"[-+]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][-+]?[0-9]{1,3})?")
+_VERSION = re.compile(r"[0-9]{1,6}")
 # The experts' safetensors dtypes each version may hold.
 EXPERT_DTYPES = {1: ("F32", "F16", "BF16"), 2: ("F32", "F16", "BF16"), 3: ("F32", "F16", "BF16", "F8_E4M3")}
 
@@ -107,7 +116,7 @@ def config_metadata(config: LayerConfig) -> dict:
 def format_version(meta: dict):
     """The version number of a colibri-moe/N format string, or None for anything else."""
     value = meta.get("format")
-    if isinstance(value, str) and value.startswith(FORMAT_PREFIX) and value[len(FORMAT_PREFIX):].isdigit():
+    if isinstance(value, str) and value.startswith(FORMAT_PREFIX) and _VERSION.fullmatch(value[len(FORMAT_PREFIX):]):
         return int(value[len(FORMAT_PREFIX):])
     return None
 
@@ -116,7 +125,8 @@ def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
     version = format_version(meta)
     known = ", ".join(f"{FORMAT_PREFIX}{v}" for v in KNOWN_VERSIONS)
     if version is None:
-        raise _fail(path, f"metadata format is {meta.get('format')!r}, expected one of {known} "
+        shown = _shown(meta["format"]) if "format" in meta else "missing"
+        raise _fail(path, f"metadata format is {shown}, expected one of {known} "
                           "(pack a Hugging Face checkpoint with `python -m colibri pack`)")
     if version not in KNOWN_VERSIONS:
         raise _fail(path, f"format version {version} ({meta['format']!r}) is not known to this reader, which "
@@ -128,28 +138,26 @@ def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
     def integer(key, default=None):
         if key not in meta and default is not None:
             return default
-        try:
-            return int(meta[key])
-        except ValueError:
-            raise _fail(path, f"metadata {key}={meta[key]!r} is not an integer") from None
+        if not _INTEGER.fullmatch(meta[key]):
+            raise _fail(path, f"metadata {key}={_shown(meta[key])} is not an integer (ASCII digits)")
+        return int(meta[key])
 
     def number(key, default):
-        try:
-            value = float(meta.get(key, default))
-        except ValueError:
-            raise _fail(path, f"metadata {key}={meta[key]!r} is not a number") from None
-        return value
+        value = meta.get(key, default)
+        if not _DECIMAL.fullmatch(value):
+            raise _fail(path, f"metadata {key}={_shown(value)} is not a finite decimal number")
+        return float(value)
 
     def flag(key, default="false"):
         value = meta.get(key, default)
         if value.lower() not in ("true", "false", "1", "0"):
-            raise _fail(path, f"metadata {key}={value!r} is not true or false")
+            raise _fail(path, f"metadata {key}={_shown(value)} is not true or false")
         return value.lower() in ("true", "1")
 
     def choice(key, choices, default):
         value = meta.get(key, default)
         if value not in choices:
-            raise _fail(path, f"metadata {key}={value!r} is not one of {', '.join(choices)}")
+            raise _fail(path, f"metadata {key}={_shown(value)} is not one of {', '.join(choices)}")
         return value
 
     fields = dict(
@@ -176,6 +184,11 @@ def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
     return config
 
 
+def _shown(value: str) -> str:
+    """A metadata value for a message: quoted, escaped, and cut short."""
+    return repr(value[:60]) + ("..." if len(value) > 60 else "")
+
+
 def read_config(path) -> LayerConfig:
     """The layer a checkpoint describes, from its header alone (no tensor data is read): Triton's
     auto-complete asks for H and k before any model instance loads the weights."""
@@ -185,7 +198,7 @@ def read_config(path) -> LayerConfig:
 def _open(path):
     """(the open file, its LayerConfig), checked as far as the header allows."""
     try:
-        file = st.SafetensorsFile(path)
+        file = st.SafetensorsFile(path, max_header_bytes=MAX_HEADER_BYTES)
     except FileNotFoundError:
         raise _fail(path, "no such file") from None
     except st.SafetensorsError as exc:

@@ -10,6 +10,9 @@ from colibri._native import (ACTIVATION_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CO
 from colibri.dtypes import WEIGHT_DTYPES
 from colibri.fp8 import scales_numel
 
+# A bound far above any model's experts (hundreds), so that a file cannot make a loader build per-expert
+# structures by the hundred million.
+MAX_EXPERTS = 1 << 16
 ROUTINGS = tuple(ROUTING_CODES)
 EXPERT_KINDS = tuple(EXPERT_KIND_CODES)
 ACTIVATIONS = tuple(ACTIVATION_CODES)
@@ -72,6 +75,8 @@ class LayerConfig:
             value = getattr(self, field)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise bad(field, "an integer >= 1")
+        if self.num_experts > MAX_EXPERTS:
+            raise bad("num_experts", f"at most {MAX_EXPERTS} (models ship hundreds)")
         if not isinstance(self.top_k, (int, np.integer)) or not 1 <= self.top_k <= self.num_experts:
             raise bad("top_k", f"an integer in [1, num_experts={self.num_experts}]")
         if not isinstance(self.renormalize, (bool, np.bool_)):

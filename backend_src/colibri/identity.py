@@ -15,6 +15,7 @@ import time
 from typing import NamedTuple, Optional
 
 from colibri import safetensors_io as st
+from colibri._native import invalid
 
 # checkpoint.write_demo's metadata "source" starts with this (`python -m colibri demo` writes it).
 DEMO_SOURCE = "colibri demo (seed "
@@ -48,6 +49,9 @@ def of(path, known: Optional[Identity] = None) -> Identity:
     is reused when it names the same file with the same size and modification time."""
     path = os.path.abspath(path)
     stat = os.stat(path)
+    problem = st.not_regular(stat.st_mode)
+    if problem:  # hashing a FIFO would wait for a writer forever
+        raise invalid(f"{path}: {problem}")
     if known is not None and (known.path, known.size, known.modified) == (path, stat.st_size, utc(stat.st_mtime_ns)):
         return known
     try:

@@ -148,7 +148,8 @@ class MoELayer:
         cfg.device, cfg.device_id = DEVICE_CODES[device], device_id
         if routing_fn is not None:
             cfg.routing_fn, cfg.routing_user_data = lib.colibri_py_routing_fn, self._handle
-        offsets = ffi.new("uint64_t[]", [e * config.expert_numel for e in range(E)])
+        offsets_array = np.arange(E, dtype=np.uint64) * np.uint64(config.expert_numel)
+        offsets = _pointer("uint64_t *", offsets_array)
         out = ffi.new("colibri_moe_context_t **")
         if HAS_CONTEXT_CREATE:
             cfg.n_group, cfg.topk_group = config.n_group, config.topk_group
@@ -187,7 +188,12 @@ class MoELayer:
     def from_file(cls, path, device="cpu", device_id=0, workspace_tokens=0, num_threads=0) -> "MoELayer":
         """Loads a packed *.colibri.safetensors checkpoint, memory-mapped (used in place on the CPU)."""
         from colibri.checkpoint import load
-        ckpt = load(path)
+        return cls.from_checkpoint(load(path), path, device, device_id, workspace_tokens, num_threads)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt, path, device="cpu", device_id=0, workspace_tokens=0, num_threads=0) -> "MoELayer":
+        """The layer of a loaded colibri.checkpoint.Checkpoint (read from `path`, which errors name). Every
+        weight is checked finite here, by the library."""
         try:
             return cls(ckpt.config, ckpt.experts, ckpt.router, ckpt.router_bias, device=device, device_id=device_id,
                        workspace_tokens=workspace_tokens, num_threads=num_threads, _keepalive=ckpt.file,

@@ -7,12 +7,15 @@
 
 The reader validates the whole header before touching any data and returns numpy views into a
 read-only memory map (BF16 as uint16 bits), so a large file is never loaded whole. Nothing is ever
-unpickled."""
+unpickled. Only a regular file is opened (a FIFO would block the reader forever), and the header's size
+and nesting are bounded before it is parsed."""
 import json
 import math
 import mmap
 import os
 import pathlib
+import re
+import stat
 import struct
 
 import numpy as np
@@ -33,7 +36,14 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 PICKLE_REFUSAL = ("is a pickle / PyTorch file, which Colibri never loads (unpickling can run arbitrary code); "
                   "convert it to safetensors first")
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+# {"name": {"shape": [..]}}: an object of objects of lists. A deeper header is not one, and Python's JSON
+# parser would recurse on it until RecursionError.
+MAX_HEADER_DEPTH = 3
+# A JSON string (its contents may hold brackets), matched without backtracking.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 ALIGNMENT = 64  # the header is padded so the data (and the first tensor) start 64-byte aligned
 
 
@@ -65,23 +75,28 @@ class SafetensorsFile:
     """An open, validated safetensors file. `metadata` (dict of str), `tensors` (name -> TensorInfo),
     `get(name)` -> read-only numpy view. The mmap stays open while any view is alive."""
 
-    def __init__(self, path):
+    def __init__(self, path, max_header_bytes: int = MAX_HEADER_BYTES):
         self.path = pathlib.Path(path)
         if self.path.suffix in PICKLE_SUFFIXES:
             raise self._error(PICKLE_REFUSAL)
-        with open(self.path, "rb") as f:
+        with self._open_regular() as f:
             size = os.fstat(f.fileno()).st_size
             if size < 8:
                 raise self._error(f"file of {size} bytes is too short for a safetensors header")
             head = f.read(8)
             (header_len,) = struct.unpack("<Q", head)
-            header_fits = header_len <= MAX_HEADER_BYTES and 8 + header_len <= size
+            header_fits = 8 + header_len <= size
             if not header_fits and head.startswith(PICKLE_MAGICS):
                 raise self._error(PICKLE_REFUSAL)
             if not header_fits:
                 raise self._error(f"header length {header_len} does not fit a file of {size} bytes "
                                   "(truncated, or not a safetensors file)")
+            if header_len > max_header_bytes:
+                raise self._error(f"header of {header_len} bytes is larger than the {max_header_bytes} this "
+                                  "reader accepts")
             header_bytes = f.read(header_len)
+            if len(header_bytes) != header_len:  # the file shrank under us
+                raise self._error(f"header of {header_len} bytes, but only {len(header_bytes)} could be read")
             self.data_start = 8 + header_len
             self.metadata, self.tensors = self._parse_header(header_bytes, size - self.data_start)
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
@@ -89,10 +104,29 @@ class SafetensorsFile:
     def _error(self, message) -> SafetensorsError:
         return SafetensorsError(f"{self.path}: {message}")
 
+    def _open_regular(self):
+        """The file opened for reading, or SafetensorsError if it is not a regular file. Opened without
+        blocking, so a FIFO is refused instead of waiting for a writer."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise self._error(f"cannot be opened ({exc.strerror or exc})") from None
+        problem = not_regular(os.fstat(fd).st_mode)
+        if problem:
+            os.close(fd)
+            raise self._error(problem)
+        return os.fdopen(fd, "rb")
+
     def _parse_header(self, header_bytes, data_size):
+        depth = _nesting_depth(header_bytes)
+        if depth > MAX_HEADER_DEPTH:
+            raise self._error(f"header nests {depth} levels deep; a safetensors header nests at most "
+                              f"{MAX_HEADER_DEPTH} (an object of tensor entries holding lists)")
         try:
             header = json.loads(header_bytes.decode("utf-8"), object_pairs_hook=_unique_keys)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise self._error(f"header is not valid JSON ({exc})") from None
         if not isinstance(header, dict):
             raise self._error("header is not a JSON object")
@@ -100,13 +134,18 @@ class SafetensorsFile:
         if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                       for k, v in metadata.items()):
             raise self._error("__metadata__ must map strings to strings")
+        for text in (*header, *metadata, *metadata.values()):
+            if not _is_text(text):
+                shown = repr(text[:40]) + ("..." if len(text) > 40 else "")
+                raise self._error(f"header string {shown} holds a lone surrogate escape (\\ud800-\\udfff), "
+                                  "which is not text")
         tensors = {}
         for name, entry in header.items():
             if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
                 raise self._error(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if dtype not in DTYPES:
-                raise self._error(f"tensor {name!r}: unknown dtype {dtype!r}")
+            if not isinstance(dtype, str) or dtype not in DTYPES:
+                raise self._error(f"tensor {name!r}: unknown dtype {str(dtype)[:40]!r}")
             if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
                 raise self._error(f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
             if (not isinstance(offsets, list) or len(offsets) != 2
@@ -145,6 +184,32 @@ class SafetensorsFile:
             return np.empty(info.shape, dtype)
         return np.frombuffer(self._mmap, dtype=dtype, count=info.numel,
                              offset=self.data_start + info.begin).reshape(info.shape)
+
+
+def not_regular(mode: int):
+    """Why a file of this st_mode cannot be a checkpoint ("is a FIFO (named pipe), not a regular file"),
+    or None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+    return f"is {kind}, not a regular file"
+
+
+def _nesting_depth(header_bytes: bytes) -> int:
+    """How deep the JSON's objects and lists nest, counted outside its strings without parsing it."""
+    codes = np.frombuffer(_JSON_STRING.sub(b'""', header_bytes), np.uint8)
+    step = (np.isin(codes, (ord("{"), ord("["))).astype(np.int64)
+            - np.isin(codes, (ord("}"), ord("]"))).astype(np.int64))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _is_text(value: str) -> bool:
+    """False for a string holding a lone surrogate, which JSON's \\u escapes can make and UTF-8 cannot hold."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class LazyTensor:
