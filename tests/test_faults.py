@@ -289,7 +289,31 @@ def nan_router(good: Path, path: Path):
     return "router: not finite at index (3, 5)"
 
 
-CORRUPTIONS = {"truncated": truncated, "pickle": pickled, "not_json": not_json, "nan_router": nan_router}
+def nan_expert(good: Path, path: Path):
+    from colibri import safetensors_io
+    file = safetensors_io.SafetensorsFile(good)
+    tensors = {name: (info.dtype, np.array(file.get(name))) for name, info in file.tensors.items()}
+    assert tensors["experts"][0] == "BF16"
+    tensors["experts"][1][1, 1] = 0x7FC0  # expert 1's gate [0, 1]: a bf16 NaN
+    safetensors_io.write(path, tensors, dict(file.metadata))
+    return "expert 1's gate [0, 1] is NaN"
+
+
+# Refused by the launcher from the header, before a server starts: one line.
+HEADER_CORRUPTIONS = {"truncated": truncated, "pickle": pickled, "not_json": not_json}
+# Found when the model loads the weights (the library's one pass over them).
+CORRUPTIONS = {"nan_router": nan_router, "nan_expert": nan_expert}
+
+
+@pytest.mark.parametrize("corruption", sorted(HEADER_CORRUPTIONS))
+def test_corrupt_header_refused_before_the_server_starts(weights, tmp_path, corruption):
+    path = tmp_path / f"{corruption}.colibri.safetensors"
+    problem = HEADER_CORRUPTIONS[corruption](weights, path)
+    status, log, ever_ready, seconds = serve_until_exit(path, tmp_path)
+    print(f"\n{corruption}: launcher exit {status} after {seconds:.1f} s")
+    assert status == 2 and not ever_ready, log[-2000:]
+    assert log.strip().splitlines() == [log.strip()], log[-2000:]  # one line, no server log
+    assert log.startswith(f"colibri serve: --weights {path}: ") and problem in log, log
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))

@@ -3,6 +3,7 @@ import argparse
 import importlib
 import pathlib
 import sys
+import time
 
 from colibri import checkpoint
 from colibri._native import ColibriError
@@ -123,8 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--routed-scaling-factor", type=float, default=1.0, metavar="X",
                       help="Factor on the routing weights (default: %(default)s).")
 
-    info = _subparser(sub, "info", help="Print a packed checkpoint's configuration.",
-                      description="Prints a packed checkpoint's configuration, tensors and metadata.")
+    info = _subparser(sub, "info", help="Check a packed checkpoint and print its configuration.",
+                      description="Checks a packed checkpoint as loading it does (its header, shapes, metadata and "
+                                  "that every weight is finite: one pass over the file), then prints its "
+                                  "configuration, tensors and metadata.")
     info.add_argument("file", help="A *.colibri.safetensors file.")
     stage = _subparser(sub, "stage", help="Copy a model repository whose colibri_moe config names the checkpoint.",
                        description="Copies a model repository (as links) whose colibri_moe config names the "
@@ -150,15 +153,31 @@ def out_problem(out):
     return None
 
 
+def _printable(value) -> str:
+    """Text from a file, safe to print: control characters escaped (no terminal escapes, one line per
+    field), and what this terminal's encoding cannot show as backslash escapes."""
+    text = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in str(value))
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    return text.encode(encoding, "backslashreplace").decode(encoding)
+
+
 def _info(path) -> None:
+    """Checks what loading the layer checks, all of it (the weights' finiteness included, in one pass of
+    the library over the file), then prints the layer."""
+    from colibri.layer import MoELayer
     ckpt = checkpoint.load(path)
+    started = time.perf_counter()
+    MoELayer.from_checkpoint(ckpt, path, device="cpu", workspace_tokens=1)
+    seconds = time.perf_counter() - started
     for field, value in vars(ckpt.config).items():
         print(f"{field:22} {value}")
     for name, tensor in ckpt.file.tensors.items():
-        print(f"tensor {name:15} {tensor.dtype:5} {list(tensor.shape)}")
+        print(f"tensor {_printable(name):15} {tensor.dtype:5} {list(tensor.shape)}")
     for key, value in sorted(ckpt.metadata.items()):
         if key not in checkpoint.config_metadata(ckpt.config):
-            print(f"metadata {key:20} {value}")
+            print(f"metadata {_printable(key):20} {_printable(value)}")
+    print(f"checked: the layer loads and every weight is finite ({ckpt.file.path.stat().st_size} bytes in "
+          f"{seconds:.2f} s)")
 
 
 def main(argv=None) -> int:

@@ -185,15 +185,35 @@ def stage_repository(repository: Path, run_dir: Path, weights: Path, device: str
 def ensure_weights(weights: Path | None, repository: Path) -> Path:
     """The checkpoint to serve; without --weights, a demo one written once into the version folder."""
     if weights is not None:
-        if not weights.is_file():
+        if not weights.exists():
             raise ServeError(f"--weights {weights}: no such file")
+        check_checkpoint(weights)
         return weights.resolve()
     default = repository / MODEL_NAME / "1" / DEFAULT_WEIGHTS_NAME
     if not default.exists():
         from colibri import checkpoint
         checkpoint.write_demo(default)
         print(f"colibri serve: wrote a demo checkpoint to {default}", flush=True)
+    else:
+        check_checkpoint(default)
     return default.resolve()
+
+
+def check_checkpoint(weights: Path) -> None:
+    """Refuses, before the server starts, a file the reader refuses from its header (not a checkpoint,
+    truncated, malformed, a FIFO): one line instead of a server that starts and fails to load. Weights
+    that are not finite are found when the model loads them (one pass, by the library)."""
+    from colibri import checkpoint
+    from colibri._native import ColibriError
+    try:
+        checkpoint.load(weights)
+    except ColibriError as exc:
+        message = exc.args[0]
+        for prefix in (f"{weights}: ", f"{weights.resolve()}: "):
+            message = message[len(prefix):] if message.startswith(prefix) else message
+        raise ServeError(f"--weights {weights}: {message}") from None
+    except OSError as exc:  # e.g. no permission to read it
+        raise ServeError(f"--weights {weights}: {exc.strerror or exc}") from None
 
 
 def stub_python(run_dir: Path) -> Path:
@@ -379,9 +399,9 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        server_root = find_tritonserver()
         repository = args.model_repository.resolve()
         weights = ensure_weights(args.weights, repository)
+        server_root = find_tritonserver()
         check_ports_free(args.host, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})
         with tempfile.TemporaryDirectory(prefix="colibri-serve-") as run_dir:
             run_dir = Path(run_dir)
@@ -425,7 +445,7 @@ def run_server(command, env, args, weights) -> int:
             if reason is None:
                 raise
             if MODEL_NAME in reason:  # most often the checkpoint: say how to check one without a server
-                exc.message += f"; `python -m colibri info {weights}` checks the checkpoint"
+                exc.message += f"; `python -m colibri info {weights}` checks the checkpoint as loading it does"
             raise ServeError(exc.message, reason) from None
 
     guard = watchdog.watchdog_from_args(launch, wait_ready, url, MODEL_NAME, args)
