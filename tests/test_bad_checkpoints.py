@@ -83,6 +83,20 @@ def test_nonfinite_expert_weight_refused_at_load_and_by_info(rng, tmp_path, caps
     assert status == 1 and out == [] and len(err) == 1 and where in err[0] and str(bad) in err[0], (out, err)
 
 
+@pytest.mark.skipif(colibri.cuda_device_count() == 0, reason="needs a GPU and a library built with CUDA")
+def test_nonfinite_expert_weight_refused_on_cuda(rng, tmp_path):
+    """The check runs before the weights are copied to the GPU, whichever device the layer is for."""
+    path, config = layer_file(rng, tmp_path, "bf16")
+    colibri.MoELayer.from_file(path, device="cuda")
+    tensors, metadata = tensors_of(path)
+    tensors["experts"][1][2, config.expert_numel - 1] = 0xFF80  # expert 2's down [H-1, F-1] = -Inf
+    bad = tmp_path / "bad.colibri.safetensors"
+    st.write(bad, tensors, metadata)
+    H, F = config.hidden_size, config.intermediate_size
+    with pytest.raises(colibri.ColibriError, match=rf"expert 2's down \[{H - 1}, {F - 1}\] is -Inf"):
+        colibri.MoELayer.from_file(bad, device="cuda")
+
+
 def test_nonfinite_shared_expert_refused(rng, tmp_path):
     path, config = layer_file(rng, tmp_path, "bf16", shared=True)
     colibri.MoELayer.from_file(path)
