@@ -48,9 +48,9 @@ def merged(base, overrides):
 
 FETCH_AND_PACK = {"weights": {"existingClaim": "", "fetch": {
     "enabled": True, "image": "python:3.12-slim",
-    "command": ["sh", "-c", "pip install --target /tmp/hf huggingface_hub && "
+    "command": ["sh", "-c", "export HOME=/tmp && pip install --target /tmp/hf huggingface_hub && "
                 "PYTHONPATH=/tmp/hf python -m huggingface_hub.cli.hf download Qwen/Qwen1.5-MoE-A2.7B "
-                "--include '*.json' '*.safetensors' --local-dir /staging"],
+                "--include '*.json' --include '*.safetensors' --local-dir /staging"],
     "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]},
     "pack": {"enabled": True, "args": ["--layer", "1"]}}}
 # Each set of values CI renders: the three values files and the choices they leave out.
