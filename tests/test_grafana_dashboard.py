@@ -116,3 +116,13 @@ def test_every_query_names_a_metric_colibri_or_triton_exposes(colibri_server):
     missing = [(where, name) for where, expr in panel_queries(dashboard()) + queries_besides_the_dashboard()
                for name in sorted(metric_names(expr)) if name not in known]
     assert not missing, f"not in the server's exposition nor Triton's GPU metrics: {missing}"
+
+
+def test_compose_scrape_example_labels_series_as_kubernetes_does():
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus" / "prometheus-compose.yml").read_text())
+    static = config["scrape_configs"][0]["static_configs"][0]
+    compose = (REPO_ROOT / "docker" / "docker-compose.yml").read_text()
+    port = re.search(r"\$\{COLIBRI_METRICS_PORT:-(\d+)\}:8002", compose).group(1)
+    assert static["targets"] == [f"127.0.0.1:{port}"]
+    # the labels the dashboard's variables and the autoscaler's query select on
+    assert {"namespace", "service", "pod"} <= set(static["labels"])
