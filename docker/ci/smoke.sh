@@ -6,6 +6,9 @@
 # daemon: podman-docker.sh (a copy of ../shared/tools') drives podman through the Docker API for the
 # real `docker compose`, with a local debian:bookworm-slim. Needs root (apt, rootful podman).
 # Host ports are free ones (COLIBRI_*_PORT), so that a server already on 8000 does not fail the run.
+# Last, the same image as deploy/helm/colibri runs it (docker/ci/chart_run.py: the chart rendered with
+# values-cpu.yaml, its pod's user, environment with the watchdog off, read-only root, tmpfs for its
+# emptyDirs, no capabilities), and its startup, readiness and liveness probes run as the kubelet would.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ "$(id -u)" = 0 ] || exec sudo -E "$0" "$@"
@@ -71,3 +74,20 @@ grep -qF "$reason" <<<"$logs" || { echo "smoke: the reason is not in the log:" >
 COLIBRI_CUDA=0 "${compose[@]}" down -v
 rmdir "$host"
 stamp "an empty host folder refused"
+
+# As the Helm chart runs it (values-cpu.yaml): compose's cpu service with the pod's settings laid over
+# it, then the chart's probes against it. The image built above, not rebuilt.
+chart_override=$(mktemp --suffix .yml)
+.venv/bin/python docker/ci/chart_run.py override "$chart_override"
+chart=("${compose[@]}" -f "$chart_override")
+if ! COLIBRI_CUDA=0 "${chart[@]}" up --no-build --wait triton-cpu; then
+  COLIBRI_CUDA=0 "${chart[@]}" logs --tail 80 triton-cpu || true
+  exit 1
+fi
+stamp "as the chart runs it: healthy"
+container=$(COLIBRI_CUDA=0 "${chart[@]}" ps --quiet triton-cpu)
+.venv/bin/python docker/ci/chart_run.py probes "$container" "$COLIBRI_HTTP_PORT"
+python3 docker/ci/infer_once.py "http://127.0.0.1:$COLIBRI_HTTP_PORT" 4
+COLIBRI_CUDA=0 "${chart[@]}" down -v
+rm -f "$chart_override"
+stamp "as the chart runs it: probes answered"
