@@ -319,7 +319,7 @@ static void layer_free(layer_t *L) {
  * colibri.c; the same for init and create. */
 static int base_config_ok(const colibri_moe_config_t *c) {
     if (!known_kind(c->expert_kind) || !colibri_dtype_size(c->weight_dtype)) return 0;
-    if (c->num_experts < 1 || c->top_k < 1 || c->top_k > c->num_experts) return 0;
+    if (c->num_experts < 1 || c->num_experts > COLIBRI_MAX_EXPERTS || c->top_k < 1 || c->top_k > c->num_experts) return 0;
     if (c->hidden_size < 1 || c->intermediate_size < 1) return 0;
     if ((unsigned)c->routing > COLIBRI_ROUTING_SIGMOID_BIAS || (unsigned)c->renormalize > 1) return 0;
     if (!(c->routed_scaling_factor > 0.0f) || !isfinite(c->routed_scaling_factor)) return 0;

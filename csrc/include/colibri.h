@@ -180,6 +180,15 @@ typedef struct {
                                          (colibri_scales_numel(SWIGLU, H, Fs, bn, bk) fp32); else NULL */
 } colibri_moe_weights_t;
 
+/* The most experts a layer may have: far above any model's (hundreds), so that a config read from a
+ * file cannot make a loader allocate per-expert structures without bound. */
+#define COLIBRI_MAX_EXPERTS 65536
+
+/* Checks a config as colibri_moe_context_create does, without weights or a device: OK, or
+ * INVALID_ARGUMENT (UNSUPPORTED for a layout no backend computes) with colibri_last_error() naming the
+ * first bad field. The Python binding validates its LayerConfig with it. */
+colibri_status_t colibri_moe_config_check(const colibri_moe_config_t *config);
+
 /* Creates a context for one MoE layer. All pointers are HOST pointers.
  * On the CPU the routed experts' weights are used in place (borrowed: they must outlive the context,
  * e.g. a memory-mapped checkpoint); on CUDA they are copied to the device once. The shared expert's

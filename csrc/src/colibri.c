@@ -19,8 +19,9 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
         return colibri_set_error(bad, "config.expert_kind %d is not a known expert kind", (int)c->expert_kind);
     if (colibri_dtype_size(c->weight_dtype) == 0)
         return colibri_set_error(bad, "config.weight_dtype %d is not a known dtype", (int)c->weight_dtype);
-    if (c->num_experts < 1)
-        return colibri_set_error(bad, "config.num_experts must be >= 1, got %d", c->num_experts);
+    if (c->num_experts < 1 || c->num_experts > COLIBRI_MAX_EXPERTS)
+        return colibri_set_error(bad, "config.num_experts must be in [1, %d], got %d", COLIBRI_MAX_EXPERTS,
+                                 c->num_experts);
     if (c->top_k < 1 || c->top_k > c->num_experts)
         return colibri_set_error(bad, "config.top_k must be in [1, num_experts=%d], got %d", c->num_experts, c->top_k);
     if (c->hidden_size < 1)
@@ -97,6 +98,11 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
                                  c->scale_block_n, c->scale_block_k);
     }
     return COLIBRI_OK;
+}
+
+colibri_status_t colibri_moe_config_check(const colibri_moe_config_t *config) {
+    if (!config) return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "config is NULL");
+    return validate_config(config);
 }
 
 /* The features a CUDA build does not compute yet; refused rather than computed differently. */

@@ -1176,6 +1176,7 @@ static void expect_bad_config(const layer_t *base, void (*mutate)(colibri_moe_co
 static void top_k_zero(colibri_moe_config_t *c) { c->top_k = 0; }
 static void top_k_above_e(colibri_moe_config_t *c) { c->top_k = c->num_experts + 1; }
 static void no_experts(colibri_moe_config_t *c) { c->num_experts = 0; }
+static void too_many_experts(colibri_moe_config_t *c) { c->num_experts = COLIBRI_MAX_EXPERTS + 1, c->top_k = 1; }
 static void hidden_zero(colibri_moe_config_t *c) { c->hidden_size = 0; }
 static void intermediate_negative(colibri_moe_config_t *c) { c->intermediate_size = -3; }
 static void unknown_kind(colibri_moe_config_t *c) { c->expert_kind = (colibri_expert_kind_t)7; }
@@ -1206,6 +1207,19 @@ static void test_bad_input(void) {
     expect_bad_config(&L, top_k_zero, "top_k");
     expect_bad_config(&L, top_k_above_e, "top_k");
     expect_bad_config(&L, no_experts, "num_experts");
+    expect_bad_config(&L, too_many_experts, "num_experts");
+    /* colibri_moe_config_check: the config alone, as create checks it */
+    CHECK_STATUS(colibri_moe_config_check(&L.cfg), COLIBRI_OK);
+    CHECK_STATUS(colibri_moe_config_check(NULL), COLIBRI_ERR_INVALID_ARGUMENT);
+    {
+        colibri_moe_config_t c = L.cfg;
+        c.top_k = 0;
+        CHECK_STATUS(colibri_moe_config_check(&c), COLIBRI_ERR_INVALID_ARGUMENT);
+        CHECK(error_mentions("config.top_k"), "%s", colibri_last_error());
+        c = L.cfg, c.n_group = 3; /* does not divide E = 4 */
+        CHECK_STATUS(colibri_moe_config_check(&c), COLIBRI_ERR_INVALID_ARGUMENT);
+        CHECK(error_mentions("n_group"), "%s", colibri_last_error());
+    }
     expect_bad_config(&L, hidden_zero, "hidden_size");
     expect_bad_config(&L, intermediate_negative, "intermediate_size");
     expect_bad_config(&L, unknown_kind, "expert_kind");
