@@ -266,15 +266,10 @@ def test_version_2_round_trip(rng, tmp_path):
 
 
 def test_version_2_layer(rng, tmp_path):
-    """The v2 features through MoELayer: the library's layer against colibri.reference, or, with a
-    library that predates colibri_moe_context_create, a clear refusal."""
+    """The v2 features through MoELayer: the library's layer against colibri.reference."""
     config, experts, router, bias, tensors = v2_layer(rng)
     path = tmp_path / "v2.colibri.safetensors"
     checkpoint.save(path, config, experts, router, bias, **tensors)
-    if not colibri._native.HAS_CONTEXT_CREATE:
-        with pytest.raises(colibri.ColibriError, match="has no colibri_moe_context_create"):
-            colibri.MoELayer.from_file(path)
-        return
     layer = colibri.MoELayer.from_file(path)
     stored, x64 = random_hidden(rng, 32, config.hidden_size, "fp32")
     ref, *_ = routed_reference(layer.config, experts, x64, router, bias, layer.route(stored)[0], **tensors)

@@ -11,7 +11,6 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from colibri import checkpoint, reference  # noqa: E402
-from colibri._native import HAS_CONTEXT_CREATE  # noqa: E402
 from colibri.pack import block_forward, pack, routing_ties  # noqa: E402
 from colibri.testing import relative_error  # noqa: E402
 from colibri.testing.families import FAMILIES, GPT_OSS_SWIGLU, H, moe_blocks, write_model  # noqa: E402
@@ -67,7 +66,6 @@ def test_reference_matches_transformers(family, written):
     assert error < 1e-5, f"{family}: reference vs transformers relative error {error:.3g}"
 
 
-@pytest.mark.skipif(not HAS_CONTEXT_CREATE, reason="this libcolibri predates colibri_moe_context_create")
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_colibri_cpu_matches_transformers(family, written):
     from colibri import MoELayer

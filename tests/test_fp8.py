@@ -199,7 +199,7 @@ def test_layer_refuses_wrong_scales(rng):
     bf16 = colibri.LayerConfig(num_experts=8, top_k=2, hidden_size=72, intermediate_size=64, weight_dtype="bf16")
     with pytest.raises(colibri.ColibriError, match=r"expert_scales: given, but weight_dtype is 'bf16'"):
         colibri.MoELayer(bf16, np.zeros((8, bf16.expert_numel), np.uint16), expert_scales=tensors["expert_scales"])
-    with pytest.raises(colibri.ColibriError, match=r"scale_block_n, scale_block_k: \(128, 128\) apply to fp8_e4m3"):
+    with pytest.raises(colibri.ColibriError, match=r"config.scale_block_n and scale_block_k apply to fp8 weights only \(got 128, 128\)"):
         colibri.LayerConfig(num_experts=2, top_k=1, hidden_size=8, intermediate_size=8, scale_block_n=128,
                             scale_block_k=128).validate()
 
@@ -313,7 +313,7 @@ def test_scale_tensors_checked(rng, tmp_path):
         ({"expert_scales": None}, None, r"the metadata asks for tensor 'expert_scales' but the file has none"),
         (None, {"format": "colibri-moe/2"}, r"tensor 'experts' has dtype F8_E4M3, expected F32, F16 or BF16 "
                                             r"\(fp8 experts need format colibri-moe/3\)"),
-        (None, {"scale_block_k": "-1"}, r"config.scale_block_k: expected an integer >= 0"),
+        (None, {"scale_block_k": "-1"}, r"config.scale_block_n and scale_block_k must be >= 0, got 32, -1"),
         ({"experts": ("F8_E5M2", np.zeros((8, 13824), np.uint8))}, None,
          r"tensor 'experts' has dtype F8_E5M2, expected F32, F16, BF16 or F8_E4M3"),
     ]
@@ -503,8 +503,8 @@ def test_pack_fp8_refuses_shared_slices_off_the_blocks(tmp_path):
     from colibri.pack import pack
     from colibri.testing.families import write_model
     write_model("deepseek_v3", tmp_path / "src")  # F = 24, two shared experts: Fs = 48
-    with pytest.raises(colibri.ColibriError, match=r"layer 1: the packed layer would be invalid: config.shared_"
-                                                   r"intermediate_size: an fp8 shared expert wider than "
+    with pytest.raises(colibri.ColibriError, match=r"layer 1: the packed layer would be invalid: "
+                                                   r"an fp8 shared expert wider than "
                                                    r"intermediate_size=24 needs it to be a multiple of the scale "
                                                    r"block \(128, 128\)"):
         pack(tmp_path / "src", tmp_path / "x.colibri.safetensors", dtype="fp8", progress=False)

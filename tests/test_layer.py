@@ -267,7 +267,7 @@ def _bad_construction_cases(config, experts, router):
         "router_bits": (dict(router=router.view(np.uint16)), "router: expected a float array, got dtype uint16"),
         "bias_shape": (dict(router_bias=np.zeros(3, np.float32)), r"router_bias: expected shape \[8\]"),
         "sigmoid_without_bias": (sigmoid, r"router_bias: sigmoid_bias routing needs router_bias \[8\]"),
-        "top_k": (dict(config=colibri.LayerConfig(**{**vars(config), "top_k": 9})), r"config.top_k: expected an integer in \[1, num_experts=8\]"),
+        "top_k": (dict(config=colibri.LayerConfig(**{**vars(config), "top_k": 9})), r"config.top_k must be in \[1, num_experts=8\], got 9"),
         "kind": (dict(config=colibri.LayerConfig(**{**vars(config), "expert_kind": "gelu"})), "config.expert_kind: expected swiglu | linear, got 'gelu'"),
         "routing": (dict(config=colibri.LayerConfig(**{**vars(config), "routing": "random"})), "config.routing: expected"),
         "scaling": (dict(config=colibri.LayerConfig(**{**vars(config), "routed_scaling_factor": float("nan")})), "config.routed_scaling_factor"),

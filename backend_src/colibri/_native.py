@@ -1,4 +1,6 @@
 """The compiled binding (colibri._colibri_cffi), the status codes and ColibriError."""
+from colibri.dtypes import DTYPES
+
 try:
     from colibri._colibri_cffi import ffi, lib
 except ImportError as exc:  # the extension is built by `make python`, not by pip
@@ -14,12 +16,7 @@ STATUS_CUDA = lib.COLIBRI_ERR_CUDA
 STATUS_ROUTING = lib.COLIBRI_ERR_ROUTING
 STATUS_INTERNAL = lib.COLIBRI_ERR_INTERNAL
 
-DTYPE_CODES = {"fp32": lib.COLIBRI_DTYPE_F32, "fp16": lib.COLIBRI_DTYPE_F16, "bf16": lib.COLIBRI_DTYPE_BF16}
-# fp8 weights (their dtype, the config's scale blocks and the weights' scale grids) exist in libraries
-# built from the header that declares colibri_scales_numel.
-HAS_FP8 = hasattr(lib, "colibri_scales_numel")
-if HAS_FP8:
-    DTYPE_CODES["fp8_e4m3"] = lib.COLIBRI_DTYPE_F8E4M3
+DTYPE_CODES = {name: getattr(lib, d.c_enum) for name, d in DTYPES.items()}
 EXPERT_KIND_CODES = {"swiglu": lib.COLIBRI_EXPERT_SWIGLU, "linear": lib.COLIBRI_EXPERT_LINEAR}
 ROUTING_CODES = {
     "softmax_topk": lib.COLIBRI_ROUTING_SOFTMAX_TOPK,
@@ -27,14 +24,8 @@ ROUTING_CODES = {
     "sigmoid_bias": lib.COLIBRI_ROUTING_SIGMOID_BIAS,
 }
 DEVICE_CODES = {"cpu": lib.COLIBRI_DEVICE_CPU, "cuda": lib.COLIBRI_DEVICE_CUDA}
-# An extension built before colibri.h gained these enums lacks their names; the values are the header's.
-ACTIVATION_CODES = {"silu": getattr(lib, "COLIBRI_ACTIVATION_SILU", 0),
-                    "swiglu_oai": getattr(lib, "COLIBRI_ACTIVATION_SWIGLU_OAI", 1)}
-GROUP_SCORE_CODES = {"max": getattr(lib, "COLIBRI_GROUP_SCORE_MAX", 0),
-                     "top2_sum": getattr(lib, "COLIBRI_GROUP_SCORE_TOP2_SUM", 1)}
-# colibri_moe_context_create (biases, shared expert, groups, activations) exists in libraries built
-# from the header that declares it; older builds have only colibri_moe_context_init.
-HAS_CONTEXT_CREATE = hasattr(lib, "colibri_moe_context_create")
+ACTIVATION_CODES = {"silu": lib.COLIBRI_ACTIVATION_SILU, "swiglu_oai": lib.COLIBRI_ACTIVATION_SWIGLU_OAI}
+GROUP_SCORE_CODES = {"max": lib.COLIBRI_GROUP_SCORE_MAX, "top2_sum": lib.COLIBRI_GROUP_SCORE_TOP2_SUM}
 
 
 def status_name(status: int) -> str:

@@ -41,13 +41,12 @@ from colibri import fp8
 from colibri import safetensors_io as st
 from colibri._native import ColibriError, STATUS_INVALID_ARGUMENT
 from colibri.dtypes import from_float
-from colibri.config import ACTIVATIONS, EXPERT_KINDS, GROUP_SCORES, ROUTINGS, LayerConfig
+from colibri.config import LayerConfig
 
 FORMAT_PREFIX = "colibri-moe/"
 FORMAT_VERSION = 3  # the newest this code reads and writes; files get the lowest that describes them
 KNOWN_VERSIONS = (1, 2, 3)
-REQUIRED_METADATA = ("expert_kind", "num_experts", "top_k", "hidden_size", "intermediate_size", "routing",
-                     "renormalize")
+REQUIRED_METADATA = tuple(f.name for f in dataclasses.fields(LayerConfig) if f.metadata["required"])
 V1_TENSORS = ("experts", "router", "router_bias")
 V2_TENSORS = V1_TENSORS + ("router_logit_bias", "expert_bias", "shared_expert", "shared_expert_gate")
 V3_TENSORS = V2_TENSORS + ("expert_scales", "shared_expert_scales")
@@ -96,21 +95,18 @@ def _flag(value: bool) -> str:
     return "true" if value else "false"
 
 
+def _stored_fields(version: int):
+    """The LayerConfig fields a file of this version stores in its metadata, by their own names."""
+    return [f for f in dataclasses.fields(LayerConfig) if f.metadata["since"] is not None
+            and f.metadata["since"] <= version]
+
+
 def config_metadata(config: LayerConfig) -> dict:
+    """The metadata that describes the layer, in the lowest version that can (every field it stores)."""
     version = version_for(config)
-    scale_blocks = {"scale_block_n": str(config.scale_block_n), "scale_block_k": str(config.scale_block_k)}
-    return {
-        "format": f"{FORMAT_PREFIX}{version}", "expert_kind": config.expert_kind,
-        "num_experts": str(config.num_experts), "top_k": str(config.top_k), "hidden_size": str(config.hidden_size),
-        "intermediate_size": str(config.intermediate_size), "routing": config.routing,
-        "renormalize": _flag(config.renormalize),
-        "routed_scaling_factor": repr(float(config.routed_scaling_factor)),
-        "n_group": str(config.n_group), "topk_group": str(config.topk_group), "group_score": config.group_score,
-        "activation": config.activation, "activation_alpha": repr(float(config.activation_alpha)),
-        "activation_limit": repr(float(config.activation_limit)), "expert_bias": _flag(config.expert_bias),
-        "shared_intermediate_size": str(config.shared_intermediate_size), "shared_gate": _flag(config.shared_gate),
-        **(scale_blocks if version >= 3 else {}),
-    }
+    text = {"int": str, "float": lambda v: repr(float(v)), "bool": _flag, "choice": str}
+    return {"format": f"{FORMAT_PREFIX}{version}",
+            **{f.name: text[f.metadata["kind"]](getattr(config, f.name)) for f in _stored_fields(version)}}
 
 
 def format_version(meta: dict):
@@ -135,47 +131,36 @@ def _parse_config(path, meta, weight_dtype, tensors) -> LayerConfig:
     if missing:
         raise _fail(path, f"metadata lacks {', '.join(missing)}")
 
-    def integer(key, default=None):
-        if key not in meta and default is not None:
-            return default
-        if not _INTEGER.fullmatch(meta[key]):
-            raise _fail(path, f"metadata {key}={_shown(meta[key])} is not an integer (ASCII digits)")
-        return int(meta[key])
+    def integer(key, default):
+        value = meta.get(key, str(default))
+        if not _INTEGER.fullmatch(value):
+            raise _fail(path, f"metadata {key}={_shown(value)} is not an integer (ASCII digits)")
+        return int(value)
 
     def number(key, default):
-        value = meta.get(key, default)
+        value = meta.get(key, repr(float(default)))
         if not _DECIMAL.fullmatch(value):
             raise _fail(path, f"metadata {key}={_shown(value)} is not a finite decimal number")
         return float(value)
 
-    def flag(key, default="false"):
-        value = meta.get(key, default)
+    def flag(key, default):
+        value = meta.get(key, _flag(default))
         if value.lower() not in ("true", "false", "1", "0"):
             raise _fail(path, f"metadata {key}={_shown(value)} is not true or false")
         return value.lower() in ("true", "1")
 
-    def choice(key, choices, default):
+    def choice(key, default, codes):
         value = meta.get(key, default)
-        if value not in choices:
-            raise _fail(path, f"metadata {key}={_shown(value)} is not one of {', '.join(choices)}")
+        if value not in codes:
+            raise _fail(path, f"metadata {key}={_shown(value)} is not one of {', '.join(codes)}")
         return value
 
-    fields = dict(
-        expert_kind=choice("expert_kind", EXPERT_KINDS, None), num_experts=integer("num_experts"),
-        top_k=integer("top_k"), hidden_size=integer("hidden_size"), intermediate_size=integer("intermediate_size"),
-        weight_dtype=weight_dtype, routing=choice("routing", ROUTINGS, None), renormalize=flag("renormalize"),
-        routed_scaling_factor=number("routed_scaling_factor", "1.0"), has_router="router" in tensors)
-    if version >= 2:
-        # Keys a v2 writer always writes; read with the defaults that mean "absent" all the same.
-        fields.update(
-            n_group=integer("n_group", 1), topk_group=integer("topk_group", 1),
-            group_score=choice("group_score", GROUP_SCORES, "max"),
-            activation=choice("activation", ACTIVATIONS, "silu"),
-            activation_alpha=number("activation_alpha", "1.702"), activation_limit=number("activation_limit", "7.0"),
-            expert_bias=flag("expert_bias"), shared_intermediate_size=integer("shared_intermediate_size", 0),
-            shared_gate=flag("shared_gate"), has_router_logit_bias="router_logit_bias" in tensors)
-    if version >= 3:
-        fields.update(scale_block_n=integer("scale_block_n", 0), scale_block_k=integer("scale_block_k", 0))
+    parse = {"int": integer, "float": number, "bool": flag, "choice": choice}
+    fields = {f.name: parse[f.metadata["kind"]](f.name, f.default, *([f.metadata["codes"]] if f.metadata["codes"]
+                                                                       else []))
+              for f in _stored_fields(version)}
+    fields.update(weight_dtype=weight_dtype, has_router="router" in tensors,
+                  has_router_logit_bias=version >= 2 and "router_logit_bias" in tensors)
     config = LayerConfig(**fields)
     try:
         config.validate()

@@ -1,16 +1,30 @@
 """Element types Colibri knows, by one name each ('fp32', 'fp16', 'bf16'; weights also 'fp8_e4m3'), and
 numpy-only helpers for the ones numpy lacks: bfloat16 values travel in numpy as their raw uint16 bit
 patterns, fp8 e4m3 values as their uint8 codes."""
+from typing import NamedTuple, Optional
+
 import numpy as np
 
-FLOAT_DTYPES = ("fp32", "fp16", "bf16")            # activations, and weights
-WEIGHT_DTYPES = FLOAT_DTYPES + ("fp8_e4m3",)       # fp8 is for weights only, with scales (colibri.fp8)
 
-# Storage numpy dtype of each dtype (bf16: its bits; fp8: its codes).
-STORAGE = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16), "bf16": np.dtype(np.uint16),
-           "fp8_e4m3": np.dtype(np.uint8)}
+class DType(NamedTuple):
+    """One element type under each of its names; the one table every other mapping derives from."""
+    name: str                # Colibri's (configs, messages, the CLI)
+    safetensors: str         # in a checkpoint's header
+    c_enum: str              # colibri_dtype_t member in colibri.h
+    storage: np.dtype        # numpy's dtype for it (bf16: its bits; fp8: its codes)
+    triton: Optional[str]    # Triton's config.pbtxt data_type, for activations; None: weights only
 
-ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
+
+DTYPES = {d.name: d for d in (
+    DType("fp32", "F32", "COLIBRI_DTYPE_F32", np.dtype(np.float32), "TYPE_FP32"),
+    DType("fp16", "F16", "COLIBRI_DTYPE_F16", np.dtype(np.float16), "TYPE_FP16"),
+    DType("bf16", "BF16", "COLIBRI_DTYPE_BF16", np.dtype(np.uint16), "TYPE_BF16"),
+    DType("fp8_e4m3", "F8_E4M3", "COLIBRI_DTYPE_F8E4M3", np.dtype(np.uint8), None),  # with scales: colibri.fp8
+)}
+FLOAT_DTYPES = tuple(name for name, d in DTYPES.items() if d.triton)   # activations, and weights
+WEIGHT_DTYPES = tuple(DTYPES)
+STORAGE = {name: d.storage for name, d in DTYPES.items()}
+ITEMSIZE = {name: d.storage.itemsize for name, d in DTYPES.items()}
 
 # fp8 e4m3 as OCP's "e4m3fn" (torch.float8_e4m3fn): sign, 4 exponent bits (bias 7), 3 mantissa bits; no
 # infinities, S.1111.111 is NaN, the largest finite value is 448.

@@ -12,9 +12,8 @@ import threading
 import numpy as np
 
 from colibri import dlpack
-from colibri._native import (ACTIVATION_CODES, DEVICE_CODES, DTYPE_CODES, EXPERT_KIND_CODES, GROUP_SCORE_CODES,
-                             HAS_CONTEXT_CREATE, HAS_FP8, ROUTING_CODES, STATUS_OK, STATUS_ROUTING, STATUS_UNSUPPORTED,
-                             ColibriError, check, ffi, invalid, lib)
+from colibri._native import (DEVICE_CODES, DTYPE_CODES, STATUS_OK, STATUS_ROUTING, ColibriError, check, ffi,
+                             invalid, lib)
 from colibri.config import LayerConfig
 from colibri.dtypes import FLOAT_DTYPES, STORAGE
 
@@ -121,13 +120,6 @@ class MoELayer:
 
         self.config = dataclasses.replace(config, has_router=router is not None,
                                           has_router_logit_bias=router_logit_bias is not None)
-        if self.config.uses_v2_features and not HAS_CONTEXT_CREATE:
-            raise ColibriError("this libcolibri has no colibri_moe_context_create (built before shared experts, "
-                               "expert biases, router logit biases, group-limited routing and swiglu_oai): "
-                               "rebuild it with `make`", STATUS_UNSUPPORTED)
-        if config.fp8 and not HAS_FP8:
-            raise ColibriError("this libcolibri predates fp8 weights (no COLIBRI_DTYPE_F8E4M3): rebuild it with `make`",
-                               STATUS_UNSUPPORTED)
         self.device = device if device == "cpu" else f"cuda:{device_id}"
         self.device_id = device_id
         self._device_type = dlpack.KDL_CPU if device == "cpu" else dlpack.KDL_CUDA
@@ -136,48 +128,26 @@ class MoELayer:
         self._handle = ffi.new_handle(self) if routing_fn is not None else None
         self._lock = threading.Lock()
 
-        cfg = ffi.new("colibri_moe_config_t *")
-        cfg.expert_kind = EXPERT_KIND_CODES[config.expert_kind]
-        cfg.weight_dtype = DTYPE_CODES[config.weight_dtype]
-        cfg.num_experts, cfg.top_k = E, config.top_k
-        cfg.hidden_size, cfg.intermediate_size = H, config.intermediate_size
-        cfg.routing = ROUTING_CODES[config.routing]
-        cfg.renormalize = int(bool(config.renormalize))
-        cfg.routed_scaling_factor = config.routed_scaling_factor
+        cfg = self.config.to_c()
         cfg.workspace_tokens, cfg.num_threads = int(workspace_tokens), int(num_threads)
         cfg.device, cfg.device_id = DEVICE_CODES[device], device_id
         if routing_fn is not None:
             cfg.routing_fn, cfg.routing_user_data = lib.colibri_py_routing_fn, self._handle
         offsets_array = np.arange(E, dtype=np.uint64) * np.uint64(config.expert_numel)
-        offsets = _pointer("uint64_t *", offsets_array)
+        weights = ffi.new("colibri_moe_weights_t *")
+        weights.expert_weights = _pointer("void *", experts)
+        weights.expert_offsets = _pointer("uint64_t *", offsets_array)
+        weights.expert_weights_numel = experts.size
+        weights.expert_bias = _pointer("float *", expert_bias)
+        weights.router_weight = _pointer("float *", router)
+        weights.router_logit_bias = _pointer("float *", router_logit_bias)
+        weights.router_bias = _pointer("float *", router_bias)
+        weights.shared_weights = _pointer("void *", shared_expert)
+        weights.shared_gate_weight = _pointer("float *", shared_expert_gate)
+        weights.expert_scales = _pointer("float *", expert_scales)
+        weights.shared_scales = _pointer("float *", shared_expert_scales)
         out = ffi.new("colibri_moe_context_t **")
-        if HAS_CONTEXT_CREATE:
-            cfg.n_group, cfg.topk_group = config.n_group, config.topk_group
-            cfg.group_score = GROUP_SCORE_CODES[config.group_score]
-            cfg.activation = ACTIVATION_CODES[config.activation]
-            cfg.activation_alpha, cfg.activation_limit = config.activation_alpha, config.activation_limit
-            cfg.expert_bias = int(bool(config.expert_bias))
-            cfg.shared_intermediate_size = config.shared_intermediate_size
-            cfg.shared_gate = int(bool(config.shared_gate))
-            if HAS_FP8:
-                cfg.scale_block_n, cfg.scale_block_k = config.scale_block_n, config.scale_block_k
-            weights = ffi.new("colibri_moe_weights_t *")
-            weights.expert_weights = _pointer("void *", experts)
-            weights.expert_offsets, weights.expert_weights_numel = offsets, experts.size
-            weights.expert_bias = _pointer("float *", expert_bias)
-            weights.router_weight = _pointer("float *", router)
-            weights.router_logit_bias = _pointer("float *", router_logit_bias)
-            weights.router_bias = _pointer("float *", router_bias)
-            weights.shared_weights = _pointer("void *", shared_expert)
-            weights.shared_gate_weight = _pointer("float *", shared_expert_gate)
-            if HAS_FP8:
-                weights.expert_scales = _pointer("float *", expert_scales)
-                weights.shared_scales = _pointer("float *", shared_expert_scales)
-            check(lib.colibri_moe_context_create(out, cfg, weights), "colibri_moe_context_create")
-        else:
-            check(lib.colibri_moe_context_init(
-                out, cfg, _pointer("void *", experts), offsets, experts.size, _pointer("float *", router),
-                _pointer("float *", router_bias)), "colibri_moe_context_init")
+        check(lib.colibri_moe_context_create(out, cfg, weights), "colibri_moe_context_create")
         self._ctx = ffi.gc(out[0], lib.colibri_moe_context_destroy)
         # On the CPU the context borrows the weights: they (and the mmap under them) live as long as it.
         self._experts = experts

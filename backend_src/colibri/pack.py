@@ -56,8 +56,7 @@ Weight layouts, under `<prefix>layers.N.<block>.` (block `block_sparse_moe` or `
 
 `verify=True` (`--verify`, needs torch and transformers) builds the family's MoE block with
 transformers from config.json and the source tensors and compares it, in fp32 on random tokens, with
-the packed layer (colibri's CPU layer, or colibri.reference where the library predates
-colibri_moe_context_create); on a relative error above 1e-5 the packed file is deleted and pack fails.
+the packed layer (colibri's CPU layer); on a relative error above 1e-5 the packed file is deleted and pack fails.
 Where the installed transformers' gpt-oss block ignores config.json's swiglu_alpha or swiglu_limit (older
 releases fix 1.702 and 7.0), a layer of other values is refused the same way, naming why.
 The block is loaded with the values the packed layer holds: fp8 weights dequantised, weights packed
@@ -1248,15 +1247,9 @@ def block_forward(block, x: np.ndarray) -> np.ndarray:
 
 
 def colibri_forward(path, x: np.ndarray) -> np.ndarray:
-    """The packed layer on x [T, H]: colibri's CPU layer in fp32 where the library can hold it, else
-    colibri.reference (float64)."""
-    from colibri import reference
-    from colibri._native import HAS_CONTEXT_CREATE
-    ckpt = checkpoint.load(path)
-    if HAS_CONTEXT_CREATE or not ckpt.config.uses_v2_features:
-        from colibri.layer import MoELayer
-        return np.asarray(MoELayer.from_file(path).forward(np.asarray(x, np.float32)), np.float64)
-    return reference.checkpoint_forward(ckpt, np.asarray(x, np.float64))
+    """The packed layer on x [T, H]: colibri's CPU layer, in fp32."""
+    from colibri.layer import MoELayer
+    return np.asarray(MoELayer.from_file(path).forward(np.asarray(x, np.float32)), np.float64)
 
 
 def routing_ties(path, x: np.ndarray, tolerance=1e-5) -> np.ndarray:

@@ -20,6 +20,8 @@ import struct
 
 import numpy as np
 
+from colibri.dtypes import DTYPES as DTYPES_BY_NAME
+
 # safetensors dtype -> numpy storage dtype (BF16 and FP8 as raw unsigned integers).
 DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
@@ -27,7 +29,7 @@ DTYPES = {
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
     "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
 }
-COLIBRI_TO_SAFETENSORS = {"fp32": "F32", "fp16": "F16", "bf16": "BF16", "fp8_e4m3": "F8_E4M3"}
+COLIBRI_TO_SAFETENSORS = {name: d.safetensors for name, d in DTYPES_BY_NAME.items()}
 SAFETENSORS_TO_COLIBRI = {v: k for k, v in COLIBRI_TO_SAFETENSORS.items()}
 
 # torch.save writes a zip ("PK\x03\x04") or a bare pickle (protocol 2+ starts with 0x80).
