@@ -32,7 +32,8 @@ from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUME
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
 from colibri.config import LayerConfig
 from colibri.dlpack import Tensor
-from colibri.layer import MoELayer, nonfinite_rows, nonfinite_rows_by_part, nonfinite_rows_by_part_later
+from colibri.layer import MoELayer
+from colibri.nonfinite import nonfinite_rows, nonfinite_rows_by_part, nonfinite_rows_by_part_later
 
 __version__ = ffi.string(lib.colibri_version()).decode()
 
