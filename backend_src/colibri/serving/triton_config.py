@@ -7,7 +7,7 @@ fill in dims a config leaves empty, and refuse to change declared ones (even -1)
 known, Triton's model metadata and config tell clients H and k, and Triton refuses a request of the
 wrong width itself, naming the input. Only the checkpoint's header is read here.
 
-The served checkpoint's identity (colibri.identity) goes into the config as parameters
+The served checkpoint's identity (colibri.serving.identity) goes into the config as parameters
 COLIBRI_CHECKPOINT_*, so `GET /v2/models/colibri_moe/config` tells what is served. Auto-complete
 cannot add them: tritonserver keeps only the max_batch_size, tensors, scheduling and transaction
 policy that `auto_complete_config` returns and drops its parameters. So the launchers (`colibri
@@ -20,7 +20,8 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-from colibri import checkpoint, identity
+from colibri import checkpoint
+from colibri.serving import identity
 
 
 def weights_path(model_config: dict, version_dir: str) -> str:
@@ -143,7 +144,7 @@ def with_identity(config_text: str, ident: identity.Identity) -> str:
     entries = ",\n".join(f"  {{ key: {pbtxt_string(k)} value: {{ string_value: {pbtxt_string(v)} }} }}"
                          for k, v in identity_parameters(ident).items())
     return (config_text.rstrip("\n") + "\n\n# The checkpoint served (added by the launcher; "
-            "colibri.triton_config.stage_repository)\nparameters [\n" + entries + "\n]\n")
+            "colibri.serving.triton_config.stage_repository)\nparameters [\n" + entries + "\n]\n")
 
 
 def stage_repository(repository, out, model: str, weights, rewrite: Optional[Callable[[str], str]] = None):

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 import triton_python_backend_utils as pb_utils
 
-from colibri import checkpoint, triton_config
+from colibri import checkpoint
+from colibri.serving import triton_config
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 
