@@ -33,8 +33,8 @@ ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py", PACKAGE.p
 DEVELOPER_TOOLS = {"pack", "serving/launcher", "bench", "testing", "reference"}
 # The modules the walk must find, so that a change to how it reads imports cannot shrink the check.
 KNOWN_RUNTIME = {"__init__", "__main__", "_native", "_ffi_build", "config", "dlpack", "dtypes", "layer", "checkpoint",
-                 "nonfinite", "safetensors_io", "serving/__init__", "serving/identity",
-                 "serving/triton_config", "serving/watchdog"}
+                 "nonfinite", "safetensors_io", "serving/__init__", "serving/batching", "serving/identity",
+                 "serving/metrics", "serving/triton_config", "serving/watchdog"}
 
 
 def module_name(path) -> str:
