@@ -17,7 +17,8 @@ from colibri.pack.families import _plan, _read_config
 from colibri.pack.formats import FP4_E2M1, _granularity, dequantize_mxfp4
 from colibri.pack.locate import _choose_layers, _found_layers, _layer_count, _locate, _refuse_without_moe
 from colibri.pack.source import _as_float32, _fail, _Source
-from colibri.pack.verify import _verify, _verify_imports, block_forward, colibri_forward, routing_ties, transformers_block
+from colibri.pack.verify import (_verify, _verify_imports, block_forward, colibri_forward, routing_ties,
+                                 transformers_block)
 
 __all__ = ["pack", "FP4_E2M1", "dequantize_mxfp4", "block_forward", "colibri_forward", "routing_ties",
            "transformers_block"]
