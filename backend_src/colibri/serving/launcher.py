@@ -377,7 +377,8 @@ def parse_args(argv):
     parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT",
                         help="Port of the Prometheus metrics endpoint (default: %(default)s).")
     parser.add_argument("--model-repository", type=Path, default=None, metavar="DIR",
-                        help="The Triton model repository to serve (default: this checkout's model_repository).")
+                        help="The Triton model repository to serve (default: the model_repository of the checkout "
+                             "colibri runs from; an installed package has none, so give it).")
     parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
                         help="The packed checkpoint to serve, a *.colibri.safetensors file (default: "
                              f"{MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME} in the model repository, where a demo "
