@@ -1,7 +1,7 @@
 """Sends random hidden states to colibri_moe through CUDA shared memory and checks the answers (see
 common.py). Inputs are put on the GPU with cupy (bf16 as its uint16 bits: cupy has no bfloat16, and a
 region only needs the bytes) and copied device to device into CUDA IPC regions of their own
-(colibri.cuda_shm), registered over gRPC, so on a GPU instance the model takes and gives GPU memory;
+(colibri.serving.cuda_shm), registered over gRPC, so on a GPU instance the model takes and gives GPU memory;
 the output region is copied out on the GPU and brought to the host for the check. Needs an NVIDIA GPU
 and cupy (`pip install -c constraints.txt cupy-cuda12x`; cupy-cuda11x on CUDA 11 drivers). Without
 them it says which one is missing, the driver first, in one line, and exits 2."""
@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from colibri.cuda_shm import CudaShmRegion, host_problem
+from colibri.serving.cuda_shm import CudaShmRegion, host_problem
 from common import SharedMemoryInfer, main
 
 NO_GPU_EXIT = 2

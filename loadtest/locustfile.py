@@ -29,7 +29,7 @@ Pick the protocols by naming the user classes: `locust -f loadtest/locustfile.py
 CudaShmUser sends over gRPC with hidden_states and output in CUDA shared memory (one input and one
 output region per user, registered once): the path of a client whose hidden states already live on
 a GPU. It needs an NVIDIA GPU on the server's host, cupy (`pip install -c constraints.txt cupy-cuda12x`;
-cupy-cuda11x on CUDA 11 drivers) and the colibri package, whose colibri.cuda_shm makes the regions;
+cupy-cuda11x on CUDA 11 drivers) and the colibri package, whose colibri.serving.cuda_shm makes the regions;
 without them the run stops at once with one line saying what is missing. This file imports none of
 them unless CudaShmUser is asked for, so GrpcUser and HttpUser run anywhere (the compose loadtest image
 has neither a GPU nor colibri).
@@ -347,7 +347,7 @@ def cuda_problem(device_id: int = 0):
     driver, cupy, GPU device_id: LOADTEST_CUDA_DEVICE). Imported here only: the other users need none
     of these."""
     try:
-        from colibri.cuda_shm import host_problem
+        from colibri.serving.cuda_shm import host_problem
     except ImportError as exc:
         return f"CudaShmUser needs the colibri package (its cuda_shm module) on the server's host: {exc}"
     problem = host_problem(device_id)
@@ -372,7 +372,7 @@ class CudaShmUser(GrpcUser):
     and names both regions; nothing crosses the wire but the request header. Latency is the round
     trip; the output stays on the GPU, as a GPU consumer would take it, its shape checked from the
     reply. GPU arrays are cupy's; bf16 rows are held as their uint16 bits (cupy has no bfloat16), which
-    is all a byte copy into the region needs. Regions are colibri.cuda_shm's."""
+    is all a byte copy into the region needs. Regions are colibri.serving.cuda_shm's."""
     protocol = "cudashm"
     device_id = int(os.environ.get("LOADTEST_CUDA_DEVICE", "0"))
 
@@ -381,7 +381,7 @@ class CudaShmUser(GrpcUser):
         if problem:
             raise RuntimeError(problem)
         import cupy
-        from colibri.cuda_shm import CudaShmRegion
+        from colibri.serving.cuda_shm import CudaShmRegion
         self.regions = []
         super().on_start()
         key = (self.shape["hidden"], self.shape["wire"])

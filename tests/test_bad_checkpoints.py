@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import colibri
-from colibri import checkpoint, serve
+from colibri import checkpoint
 from colibri import safetensors_io as st
+from colibri.serving import launcher
 from colibri.__main__ import main as colibri_main
 from colibri.testing import random_fp8_layer, random_layer
 
@@ -227,7 +228,7 @@ def test_fifo_refused_without_blocking(tmp_path):
     info = in_subprocess(f"import sys; from colibri.__main__ import main; sys.exit(main(['info', {str(fifo)!r}]))")
     assert info.returncode == 1 and info.stdout == "" and info.stderr.count("\n") == 1, info
     assert f"{fifo}: is a FIFO (named pipe), not a regular file" in info.stderr
-    from colibri import identity
+    from colibri.serving import identity
     with pytest.raises(colibri.ColibriError, match="is a FIFO"):
         identity.of(fifo)
 
@@ -252,7 +253,7 @@ def test_serve_refuses_in_one_line(rng, tmp_path, capsys, kind):
         path.write_bytes(good.read_bytes()[:-100])
     else:
         raw_file(path, b"{" * 50 + b"}" * 50)
-    status = serve.main(["--weights", str(path), "--model-repository", str(tmp_path / "unused")])
+    status = launcher.main(["--weights", str(path), "--model-repository", str(tmp_path / "unused")])
     out, err = capsys.readouterr()
     assert status == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
     assert err.startswith(f"colibri serve: --weights {path}: "), err

@@ -59,7 +59,7 @@ def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, m
     cupy = pytest.importorskip("cupy")
     import sys
     from colibri import checkpoint
-    from colibri import layer as layer_module
+    from colibri import nonfinite
     from colibri.dtypes import float32_to_bf16
     from colibri.testing.fake_backend import load_model, request
     from test_model_py import check_answers, mixed_batch
@@ -81,8 +81,8 @@ def test_gpu_instance_refuses_nonfinite_requests_with_one_synchronisation(rng, m
     model = load_model(monkeypatch, weights, kind="GPU")
     layer = colibri.MoELayer.from_file(weights, device="cuda")
     copies = []
-    to_host = layer_module._device_to_host
-    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    to_host = nonfinite.device_to_host
+    monkeypatch.setattr(nonfinite, "device_to_host", lambda array: copies.append(array) or to_host(array))
 
     def wire(name, array):  # bf16 hidden states travel as their bits, read as bf16 through DLPack
         if dtype == "bf16" and name == "hidden_states":

@@ -1,4 +1,4 @@
-"""CUDA shared memory with cupy alone (colibri.cuda_shm, client/cuda_shm_client.py, loadtest's
+"""CUDA shared memory with cupy alone (colibri.serving.cuda_shm, client/cuda_shm_client.py, loadtest's
 CudaShmUser): what a host without a GPU or without cupy is told, the IPC handle as Triton receives it
 over gRPC and HTTP, and on a GPU a region's bytes seen through its handle from another process."""
 import base64
@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from colibri import cuda_shm
+from colibri.serving import cuda_shm
 from colibri.testing.server import REPO_ROOT
 
 

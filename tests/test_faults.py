@@ -29,7 +29,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 import colibri
-from colibri import checkpoint, serve, watchdog
+from colibri import checkpoint
+from colibri.serving import launcher, watchdog
 from colibri.testing.server import REPO_ROOT, missing_reason, serving
 
 pytestmark = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
@@ -236,7 +237,7 @@ def test_server_restarted_under_load(weights, tmp_path, how):
     """The server stopped (SIGTERM: graceful, as `docker stop` does; SIGKILL of tritonserver: a crash)
     and started again on the same ports while clients keep sending."""
     layer = colibri.MoELayer.from_file(weights)
-    ports = serve.free_ports(3)
+    ports = launcher.free_ports(3)
     first = serving(weights, tmp_path / "first", ports=ports)
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
@@ -338,10 +339,10 @@ def test_load_failure_reason_is_read_from_the_server_log():
     line = ("E1206 10:26:49.110569 9578 model_lifecycle.cc:642] \"failed to load 'colibri_moe' version 1: Internal: "
             "ColibriError: invalid argument: /w.colibri.safetensors: tensor 'experts': data ends at byte 294912 but "
             "the file holds only 2552 data bytes (truncated?)\\n\\nAt:\\n  /x/checkpoint.py(98): _open\\n\"\n")
-    assert serve.load_failure_reason(line) == (
+    assert launcher.load_failure_reason(line) == (
         "colibri_moe failed to load: ColibriError: invalid argument: /w.colibri.safetensors: tensor 'experts': "
         "data ends at byte 294912 but the file holds only 2552 data bytes (truncated?)")
-    assert serve.load_failure_reason("I1206 model_lifecycle.cc:472] \"loading: colibri_moe:1\"\n") is None
+    assert launcher.load_failure_reason("I1206 model_lifecycle.cc:472] \"loading: colibri_moe:1\"\n") is None
 
 
 def test_missing_checkpoint_is_refused_before_the_server_starts(tmp_path):
@@ -352,17 +353,17 @@ def test_missing_checkpoint_is_refused_before_the_server_starts(tmp_path):
 
 def serve_until_exit(weights: Path, log_dir: Path, limit_s=120):
     """Runs `colibri serve` until it exits; (status, log, whether the server was ever ready, seconds)."""
-    http_port, grpc_port, metrics_port = serve.free_ports(3)
+    http_port, grpc_port, metrics_port = launcher.free_ports(3)
     log_path = log_dir / "serve.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
-        launcher = subprocess.Popen(
+        process = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--weights", str(weights), "--http-port", str(http_port),
              "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
     ever_ready = False
     try:
-        while launcher.poll() is None and time.monotonic() - start < limit_s:
+        while process.poll() is None and time.monotonic() - start < limit_s:
             for path in ("/v2/health/ready", f"/v2/models/{MODEL}/ready"):
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=2) as reply:
@@ -371,7 +372,7 @@ def serve_until_exit(weights: Path, log_dir: Path, limit_s=120):
                     pass
             time.sleep(0.1)
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(60)
-    return launcher.returncode, log_path.read_text(errors="replace"), ever_ready, time.monotonic() - start
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(60)
+    return process.returncode, log_path.read_text(errors="replace"), ever_ready, time.monotonic() - start

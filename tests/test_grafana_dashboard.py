@@ -107,7 +107,7 @@ def queries_besides_the_dashboard():
 
 def test_every_query_names_a_metric_colibri_or_triton_exposes(colibri_server):
     # One request first, so that every family the model registers has a sample.
-    from colibri import watchdog
+    from colibri.serving import watchdog
     watchdog.probe(f"http://{colibri_server.http_url}")
     text = colibri_server.get(colibri_server.metrics_url)
     names = exposed(text)

@@ -1,6 +1,6 @@
-"""The served checkpoint's identity (colibri.identity): path, size, modification time, a sha256 of the
+"""The served checkpoint's identity (colibri.serving.identity): path, size, modification time, a sha256 of the
 whole file kept beside it while the file is unchanged, demo or not; written by the launchers into the
-config.pbtxt Triton reads (colibri.triton_config.stage_repository) and logged by model.py. That a real
+config.pbtxt Triton reads (colibri.serving.triton_config.stage_repository) and logged by model.py. That a real
 tritonserver shows it in GET .../config is checked in test_serving.py."""
 import hashlib
 import json
@@ -12,7 +12,8 @@ import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from colibri import checkpoint, identity, triton_config
+from colibri import checkpoint
+from colibri.serving import identity, triton_config
 from colibri.config import LayerConfig
 from colibri.testing import fake_backend
 from colibri.testing.server import REPO_ROOT

@@ -498,10 +498,10 @@ def test_cuda_nonfinite_rows_one_synchronisation(rng, dtype, monkeypatch):
     """GPU arrays are checked on the GPU, with their own library, and all their answers come back in
     one copy to the host; host arrays in the same list are checked on the host."""
     torch = _gpu_library("torch")
-    from colibri import layer as layer_module
+    from colibri import nonfinite
     copies = []
-    to_host = layer_module._device_to_host
-    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    to_host = nonfinite.device_to_host
+    monkeypatch.setattr(nonfinite, "device_to_host", lambda array: copies.append(array) or to_host(array))
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
 
     def on_gpu(stored):
@@ -527,10 +527,10 @@ def test_cuda_nonfinite_rows_one_synchronisation(rng, dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_cuda_nonfinite_rows_by_part_one_synchronisation(rng, dtype, monkeypatch):
     torch = _gpu_library("torch")
-    from colibri import layer as layer_module
+    from colibri import nonfinite
     copies = []
-    to_host = layer_module._device_to_host
-    monkeypatch.setattr(layer_module, "_device_to_host", lambda array: copies.append(array) or to_host(array))
+    to_host = nonfinite.device_to_host
+    monkeypatch.setattr(nonfinite, "device_to_host", lambda array: copies.append(array) or to_host(array))
     torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     parts, expected = [], []
     for T in (1, 3, 64, 513, 7, 2):

@@ -300,10 +300,10 @@ def test_bf16_goes_through_tritonclients_public_api(rng):
 
 
 def test_clients_import_no_torch_and_no_cuda_python():
-    """The clients' and the locustfile's GPU paths are cupy's (colibri.cuda_shm): neither torch nor
+    """The clients' and the locustfile's GPU paths are cupy's (colibri.serving.cuda_shm): neither torch nor
     cuda-python (tritonclient's CUDA shared-memory utilities import it) appears in any of them."""
     for path in [*sorted((REPO_ROOT / "client").glob("*.py")), REPO_ROOT / "loadtest" / "locustfile.py",
-                 REPO_ROOT / "backend_src" / "colibri" / "cuda_shm.py"]:
+                 REPO_ROOT / "backend_src" / "colibri" / "serving" / "cuda_shm.py"]:
         text = path.read_text()
         for needle in ("import torch", "utils.cuda_shared_memory", "utils import cuda_shared_memory",
                        "cuda.bindings", "from cuda import", "import cuda\n"):

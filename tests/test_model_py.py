@@ -2,7 +2,6 @@
 Python backend): requests whose hidden states hold a NaN or an Inf are refused one by one, naming the
 row within the request, and the others of the same batch are computed together, exactly as alone.
 The same on a GPU instance with GPU tensors (as CUDA shared memory gives them) is in test_cuda.py."""
-import time
 import types
 
 import numpy as np
@@ -10,6 +9,7 @@ import pytest
 
 import colibri
 from colibri import checkpoint
+from colibri.serving import metrics
 from colibri.testing import relative_error
 from colibri.testing import fake_backend
 from colibri.testing.fake_backend import load_model, request
@@ -101,9 +101,8 @@ def test_expert_counters_go_out_once_per_interval(weights, monkeypatch, rng):
     sends the rest. The forward-time histogram still gets one observation per batch."""
     model = load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": "1.5"})
     clock = [100.0]
-    monkeypatch.setitem(type(model).execute.__globals__, "time",
-                        types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter))
-    model.last_flush = clock[0]
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    model.metrics.last_flush = clock[0]
     layer = colibri.MoELayer.from_file(weights)
     E = layer.config.num_experts
     expected = np.zeros(E, np.int64)
@@ -133,7 +132,7 @@ def test_expert_counters_go_out_once_per_interval(weights, monkeypatch, rng):
 
 def test_metrics_interval_parameter_is_checked(weights, monkeypatch):
     model = load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": "0"})
-    assert model.metrics_interval == 0.0
+    assert model.metrics.interval == 0.0
     for bad in ("soon", "-1", "nan"):
         with pytest.raises(ValueError, match="COLIBRI_METRICS_INTERVAL_S"):
             load_model(monkeypatch, weights, parameters={"COLIBRI_METRICS_INTERVAL_S": bad})

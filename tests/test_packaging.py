@@ -90,21 +90,29 @@ def test_pip_builds_outside_the_source_folder(wheel, checkout):
     assert not [p.name for pattern in MAKE_OUTPUTS for p in (checkout / "backend_src" / "colibri").glob(pattern)]
 
 
-def test_the_installed_wheel_computes_from_any_directory(wheel, tmp_path):
-    """Installed with --no-deps into a fresh venv that sees only this venv's numpy and cffi, run from an
-    empty folder: the console script writes a checkpoint, and MoELayer matches the float64 reference."""
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory):
+    """(python, its site-packages): the wheel installed with --no-deps into a fresh venv that sees only
+    this venv's numpy and cffi."""
     import cffi
     import numpy
-    venv = tmp_path / "venv"
-    assert run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path).returncode == 0
+    venv = tmp_path_factory.mktemp("installed") / "venv"
+    assert run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=venv.parent).returncode == 0
     python = venv / "bin" / "python"
     site = pathlib.Path(run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                            cwd=tmp_path).stdout.strip())
+                            cwd=venv.parent).stdout.strip())
     (site / "dependencies.pth").write_text(
         "\n".join({str(pathlib.Path(m.__file__).parents[1]) for m in (numpy, cffi)}) + "\n")
-    installed = run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", wheel], cwd=tmp_path)
+    installed = run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", wheel], cwd=venv.parent)
     assert installed.returncode == 0, installed.stdout + installed.stderr
+    return python, site
 
+
+def test_the_installed_wheel_computes_from_any_directory(installed, tmp_path):
+    """Run from an empty folder: the console script writes a checkpoint, and MoELayer matches the
+    float64 reference."""
+    python, site = installed
+    venv = python.parents[1]
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     demo = run([venv / "bin" / "colibri", "demo", "--out", "demo.colibri.safetensors", "--dtype", "fp32",
@@ -124,6 +132,27 @@ print("forward ok", error)
 """ % str(site)
     forward = run([python, "-c", script], cwd=workdir)
     assert forward.returncode == 0 and "forward ok" in forward.stdout, forward.stdout + forward.stderr
+
+
+def test_the_installed_package_has_every_role_and_serves_without_a_checkout(installed, tmp_path):
+    """The packer and serving come with the wheel and import from the installed copy, and `colibri
+    serve` runs from it: it has no checkout's model repository to default to, so without
+    --model-repository it asks for one in a line, before looking for a server."""
+    python, site = installed
+    script = ("import colibri, colibri.pack, colibri.serving.launcher, colibri.serving.batching, colibri.testing\n"
+              "from colibri.pack import pack\n"
+              "for module in (colibri, colibri.pack, colibri.serving.launcher, colibri.serving.batching):\n"
+              "    print(module.__file__)\n")
+    imported = run([python, "-c", script], cwd=tmp_path)
+    assert imported.returncode == 0, imported.stdout + imported.stderr
+    assert all(line.startswith(str(site)) for line in imported.stdout.splitlines()), imported.stdout
+    shown = run([python, "-m", "colibri", "serve", "--help"], cwd=tmp_path)
+    assert shown.returncode == 0 and "--model-repository DIR" in shown.stdout, shown.stdout + shown.stderr
+    refused = run([python, "-m", "colibri", "serve"], cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.splitlines() == [
+        "colibri serve: no model repository: this colibri package is installed, not run from a checkout; pass "
+        "--model-repository DIR (a Colibri checkout's model_repository)"], refused.stderr
+    assert not list(tmp_path.iterdir()), "nothing written where it ran"
 
 
 def test_what_make_python_built_is_packaged_as_it_is(tmp_path):

@@ -8,7 +8,7 @@ keyword arguments (dataclass(kw_only=...), str.removeprefix, functools.cache, zi
 vermin flags `X | None` even under `from __future__ import annotations`, so these modules spell
 Optional[X]. It cannot see everything (a `|` between two dict variables, an API of numpy or cffi that
 the 3.8 pins lack): those need review, or a run on the image.
-The developer tools (pack, bench, serve, testing, reference) and the tests may use 3.10+.
+The developer tools (pack, bench, the serve launcher, testing, reference) and the tests may use 3.10+.
 """
 import ast
 import shutil
@@ -28,16 +28,29 @@ TARGET = "3.8"
 # What starts the walk: Triton imports model.py, the entrypoint runs __main__ (its demo command),
 # the build stage runs _ffi_build.py and, for `pip wheel`, setup.py.
 ROOTS = [MODEL_PY, PACKAGE / "__main__.py", PACKAGE / "_ffi_build.py", PACKAGE.parent / "setup.py"]
-# Imported only for developer commands, which are documented as 3.10+ (backend_src/pyproject.toml).
-DEVELOPER_TOOLS = {"pack", "serve", "bench", "testing", "reference"}
+# Imported only for developer commands, which are documented as 3.10+ (backend_src/pyproject.toml):
+# modules, or packages with everything in them, as paths under colibri/ without .py.
+DEVELOPER_TOOLS = {"pack", "serving/launcher", "bench", "testing", "reference"}
 # The modules the walk must find, so that a change to how it reads imports cannot shrink the check.
 KNOWN_RUNTIME = {"__init__", "__main__", "_native", "_ffi_build", "config", "dlpack", "dtypes", "layer", "checkpoint",
-                 "safetensors_io", "watchdog"}
+                 "nonfinite", "safetensors_io", "serving/__init__", "serving/batching", "serving/identity",
+                 "serving/metrics", "serving/triton_config", "serving/watchdog"}
+
+
+def module_name(path) -> str:
+    """A file of the package as DEVELOPER_TOOLS and KNOWN_RUNTIME name it: serving/watchdog."""
+    return path.relative_to(PACKAGE).with_suffix("").as_posix()
+
+
+def developer_tool(path) -> bool:
+    name = module_name(path)
+    return any(name == tool or name.startswith(tool + "/") for tool in DEVELOPER_TOOLS)
 
 
 def colibri_imports(path):
-    """Names of colibri's modules a file imports anywhere in it (function bodies included, since
-    e.g. MoELayer.from_file imports checkpoint when called)."""
+    """Files of colibri's modules a file imports anywhere in it (function bodies included, since
+    e.g. MoELayer.from_file imports checkpoint when called), with the packages holding them, whose
+    __init__ runs first."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -50,9 +63,14 @@ def colibri_imports(path):
             parts = name.split(".")
             if parts[0] != "colibri":
                 continue
-            found.add("__init__")
-            if len(parts) > 1 and (PACKAGE / f"{parts[1]}.py").is_file():
-                found.add(parts[1])
+            for depth in range(1, len(parts) + 1):  # colibri, colibri.serving, colibri.serving.watchdog
+                module = PACKAGE.joinpath(*parts[1:depth])
+                if (module / "__init__.py").is_file():
+                    found.add(module / "__init__.py")
+                elif depth > 1 and module.with_suffix(".py").is_file():
+                    found.add(module.with_suffix(".py"))
+                else:
+                    break  # a name inside a module (from colibri.pack import pack), not a module
     return found
 
 
@@ -64,7 +82,7 @@ def runtime_modules():
         if path in seen:
             continue
         seen.add(path)
-        todo.extend(PACKAGE / f"{name}.py" for name in colibri_imports(path) - DEVELOPER_TOOLS)
+        todo.extend(p for p in colibri_imports(path) if not developer_tool(p))
     return sorted(seen)
 
 
@@ -83,9 +101,10 @@ def run_vermin(files):
 
 
 def test_the_walk_finds_the_runtime_modules():
-    reached = {path.stem for path in runtime_modules() if path.parent == PACKAGE}
-    assert KNOWN_RUNTIME <= reached, f"not reached from model.py/__main__/_ffi_build: {KNOWN_RUNTIME - reached}"
-    assert not reached & DEVELOPER_TOOLS, reached
+    reached = [path for path in runtime_modules() if PACKAGE in path.parents]
+    names = {module_name(path) for path in reached}
+    assert KNOWN_RUNTIME <= names, f"not reached from model.py/__main__/_ffi_build: {KNOWN_RUNTIME - names}"
+    assert not [module_name(path) for path in reached if developer_tool(path)], names
 
 
 def test_runtime_modules_need_at_most_python_3_8():

@@ -16,7 +16,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import colibri
-from colibri import identity, reference, serve
+from colibri import reference
+from colibri.serving import identity, launcher
 from colibri.testing import error_limit
 from colibri.testing import load_script
 from colibri.testing.server import REPO_ROOT, missing_reason, serving
@@ -255,7 +256,7 @@ def test_auto_instance_kind_follows_the_host(server):
 
 def test_launcher_rewrites_instance_kind_and_activation_dtype():
     text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
-    rewritten = serve.configure_model(text, "gpu", "bf16")
+    rewritten = launcher.configure_model(text, "gpu", "bf16")
     assert re.findall(r"kind:\s*(KIND_\w+)", rewritten) == ["KIND_GPU"]
     types = dict(re.findall(r'name:\s*"(\w+)"\s*data_type:\s*(TYPE_\w+)', rewritten))
     assert types == {"hidden_states": "TYPE_BF16", "topk_ids": "TYPE_INT32", "topk_weights": "TYPE_FP32",
@@ -280,7 +281,7 @@ def test_ready_line_says_what_a_request_sends(server, layer):
     H = layer.config.hidden_size
     assert (f"  input   hidden_states [T, {H}] FP32 (H = {H}, the checkpoint's hidden size; T up to 4096 tokens)\n"
             in server.log_path.read_text()), server.log_tail()
-    assert serve.request_shape({"input": [{"name": "topk_ids", "dims": [2]}]}) is None
+    assert launcher.request_shape({"input": [{"name": "topk_ids", "dims": [2]}]}) is None
 
 
 def test_config_and_log_name_the_checkpoint_served(server, weights):
@@ -301,7 +302,7 @@ def test_config_and_log_name_the_checkpoint_served(server, weights):
 
 def test_second_launch_on_a_taken_port_fails_naming_it(server, weights):
     http_port = int(server.http_url.rsplit(":", 1)[1])
-    grpc_port, metrics_port = serve.free_ports(2)
+    grpc_port, metrics_port = launcher.free_ports(2)
     second = subprocess.run(
         [sys.executable, "-m", "colibri", "serve", "--weights", str(weights), "--http-port", str(http_port),
          "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)],
@@ -319,9 +320,9 @@ def test_readiness_wait_refuses_a_server_that_is_not_ours(server):
     assert session_id.startswith("colibri-"), session_id
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        serve.wait_until_ready(stand_in, ready_url, 10, server_id=session_id)
-        with pytest.raises(serve.ServeError, match=f"another server .*{server.http_url}.*--http-port"):
-            serve.wait_until_ready(stand_in, ready_url, 10, server_id="colibri-someone-else")
+        launcher.wait_until_ready(stand_in, ready_url, 10, server_id=session_id)
+        with pytest.raises(launcher.ServeError, match=f"another server .*{server.http_url}.*--http-port"):
+            launcher.wait_until_ready(stand_in, ready_url, 10, server_id="colibri-someone-else")
     finally:
         stand_in.kill()
         stand_in.wait()
@@ -345,11 +346,11 @@ def test_half_precision_server_on_the_cpu(weights, tmp_path_factory, dtype):
 
 def test_cuda_pool_option_per_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert serve.cuda_pool_options(1024) == ["--cuda-memory-pool-byte-size=0:1073741824",
+    assert launcher.cuda_pool_options(1024) == ["--cuda-memory-pool-byte-size=0:1073741824",
                                              "--cuda-memory-pool-byte-size=1:1073741824"]
-    assert serve.cuda_pool_options(0) == []  # Triton's own default
+    assert launcher.cuda_pool_options(0) == []  # Triton's own default
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
-    assert serve.cuda_pool_options(64) == ["--cuda-memory-pool-byte-size=0:67108864"]  # harmless without GPU
+    assert launcher.cuda_pool_options(64) == ["--cuda-memory-pool-byte-size=0:67108864"]  # harmless without GPU
 
 
 def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rng):
@@ -381,7 +382,7 @@ def test_compare_reads_what_the_server_did_from_its_statistics(server, layer, rn
 
 def test_launcher_sets_the_instance_count():
     text = (REPO_ROOT / "model_repository" / MODEL / "config.pbtxt").read_text()
-    assert re.findall(r"count:\s*(\d+)", serve.configure_model(text, "gpu", "fp32", 3)) == ["3"]
-    assert serve.parse_args(["--instances", "2"]).instances == 2
+    assert re.findall(r"count:\s*(\d+)", launcher.configure_model(text, "gpu", "fp32", 3)) == ["3"]
+    assert launcher.parse_args(["--instances", "2"]).instances == 2
     with pytest.raises(SystemExit):
-        serve.parse_args(["--instances", "0"])
+        launcher.parse_args(["--instances", "0"])

@@ -1,4 +1,4 @@
-"""colibri.watchdog against a stand-in server (tests/fake_tritonserver.py), fast and without Triton:
+"""colibri.serving.watchdog against a stand-in server (tests/fake_tritonserver.py), fast and without Triton:
 the probe's verdicts and messages, and `python -m colibri watch` restarting a server that exits or
 stops answering, leaving one that answers, and stopping on a signal. The same against the real
 tritonserver through `colibri serve` is in test_faults.py."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from colibri import serve, watchdog
+from colibri.serving import launcher, watchdog
 
 FAKE = Path(__file__).resolve().parent / "fake_tritonserver.py"
 
@@ -21,7 +21,7 @@ class Watched:
 
     def __init__(self, folder: Path, *watch_args):
         self.folder = folder
-        self.port = serve.free_ports(1)[0]
+        self.port = launcher.free_ports(1)[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / "watch.log"
         with open(self.log, "w") as log:
@@ -75,7 +75,7 @@ def test_probe_verdicts(watched):
     with pytest.raises(watchdog.ProbeError, match="HTTP 500: Stub process 'colibri_moe_0_0' is not healthy"):
         watchdog.probe(watched.url)
     with pytest.raises(watchdog.ProbeError, match="no answer from .*Connection refused"):
-        watchdog.probe(f"http://127.0.0.1:{serve.free_ports(1)[0]}")
+        watchdog.probe(f"http://127.0.0.1:{launcher.free_ports(1)[0]}")
     with pytest.raises(watchdog.ProbeError, match="config of nothing: HTTP 404"):
         watchdog.probe(watched.url, model="nothing")
 
@@ -83,7 +83,7 @@ def test_probe_verdicts(watched):
 def test_probe_cli(watched, colibri_cli):
     ok = colibri_cli("probe", "--url", watched.url)
     assert ok.returncode == 0 and ok.stdout.startswith("colibri probe: OK: colibri_moe at"), ok.stdout + ok.stderr
-    dead = f"http://127.0.0.1:{serve.free_ports(1)[0]}"
+    dead = f"http://127.0.0.1:{launcher.free_ports(1)[0]}"
     refused = colibri_cli("probe", "--url", dead)
     assert refused.returncode == 1 and refused.stdout.startswith(f"colibri probe: FAIL: colibri_moe at {dead}: no answer")
 

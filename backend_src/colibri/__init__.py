@@ -26,13 +26,15 @@ Exported:
 
 Packed checkpoints (*.colibri.safetensors) are read and written by colibri.checkpoint; the float64
 reference is colibri.reference; `python -m colibri --help` lists the command-line tools (pack,
-demo, info, serve, probe, watch, bench).
+demo, info, serve, probe, watch, bench). Beside this engine: colibri.pack converts Hugging Face
+checkpoints (docs/packing.md), colibri.serving serves with Triton; the engine imports neither.
 """
 from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUMENT, STATUS_OK,
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
 from colibri.config import LayerConfig
 from colibri.dlpack import Tensor
-from colibri.layer import MoELayer, nonfinite_rows, nonfinite_rows_by_part, nonfinite_rows_by_part_later
+from colibri.layer import MoELayer
+from colibri.nonfinite import nonfinite_rows, nonfinite_rows_by_part, nonfinite_rows_by_part_later
 
 __version__ = ffi.string(lib.colibri_version()).decode()
 

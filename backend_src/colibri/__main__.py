@@ -14,12 +14,16 @@ from colibri.config import EXPERT_KINDS, ROUTINGS
 DEVELOPER_COMMANDS = ("pack", "serve", "bench")
 
 
-def _delegate(module: str, argv) -> int:
-    # serve and bench live in modules of their own (with their own options): import only when asked.
+# serve and bench live in modules of their own (with their own options): imported only when asked.
+DELEGATED = {"serve": "colibri.serving.launcher", "bench": "colibri.bench"}
+
+
+def _delegate(command: str, argv) -> int:
+    module = DELEGATED[command]
     try:
-        target = importlib.import_module(f"colibri.{module}")
+        target = importlib.import_module(module)
     except ImportError as exc:
-        print(f"colibri {module}: colibri/{module}.py is not available ({exc})", file=sys.stderr)
+        print(f"colibri {command}: {module.replace('.', '/')}.py is not available ({exc})", file=sys.stderr)
         return 2
     return target.main(list(argv)) or 0
 
@@ -186,10 +190,10 @@ def main(argv=None) -> int:
         print(f"colibri {argv[0]}: needs Python 3.10 or newer, this is {sys.version.split()[0]} "
               "(before 3.10: demo, info, probe and watch)", file=sys.stderr)
         return 2
-    if argv and argv[0] in ("serve", "bench"):
+    if argv and argv[0] in DELEGATED:
         return _delegate(argv[0], argv[1:])
     if argv and argv[0] in ("probe", "watch"):
-        from colibri import watchdog
+        from colibri.serving import watchdog
         return (watchdog.main_probe if argv[0] == "probe" else watchdog.main_watch)(argv[1:])
     args = _parser().parse_args(argv)
     all_layers = args.command == "pack" and args.layer == "all"
@@ -219,7 +223,7 @@ def main(argv=None) -> int:
         elif args.command == "info":
             _info(args.file)
         elif args.command == "stage":
-            from colibri import triton_config
+            from colibri.serving import triton_config
             checkpoint_id = triton_config.stage_repository(args.repository, args.out, args.model, args.weights)
             if checkpoint_id.note:  # hashed now: what it cost, and whether the next start pays it again
                 print(f"colibri stage: {checkpoint_id.note}", file=sys.stderr)

@@ -38,7 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from colibri import checkpoint, serve
+from colibri import checkpoint
+from colibri.serving import launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOADTEST = REPO_ROOT / "loadtest" / "run.py"
@@ -74,15 +75,15 @@ def build_repository(root: Path, device: str, dtype: str, instances: int = 1) ->
     """root/models: colibri_moe linked from the repository, torch_moe and identity with its config."""
     models = root / "models"
     models.mkdir()
-    colibri = REPO_ROOT / "model_repository" / serve.MODEL_NAME
-    (models / serve.MODEL_NAME).symlink_to(colibri)
+    colibri = REPO_ROOT / "model_repository" / launcher.MODEL_NAME
+    (models / launcher.MODEL_NAME).symlink_to(colibri)
     config = (colibri / "config.pbtxt").read_text()
     for name in ("torch_moe", "identity"):
         (models / name).mkdir()
-        renamed = config.replace(f'name: "{serve.MODEL_NAME}"', f'name: "{name}"', 1)
+        renamed = config.replace(f'name: "{launcher.MODEL_NAME}"', f'name: "{name}"', 1)
         if renamed == config:
-            raise RuntimeError(f"{colibri}/config.pbtxt has no name: \"{serve.MODEL_NAME}\" line to rename")
-        (models / name / "config.pbtxt").write_text(serve.configure_model(renamed, device, dtype, instances))
+            raise RuntimeError(f"{colibri}/config.pbtxt has no name: \"{launcher.MODEL_NAME}\" line to rename")
+        (models / name / "config.pbtxt").write_text(launcher.configure_model(renamed, device, dtype, instances))
         (models / name / "1").symlink_to(BASELINES / name / "1")
     return models
 
@@ -90,9 +91,9 @@ def build_repository(root: Path, device: str, dtype: str, instances: int = 1) ->
 class Server:
     """`python -m colibri serve` on the repository, on free ports, stopped on exit."""
 
-    def __init__(self, repository, weights, device, dtype, log_path, cuda_pool_mb=serve.DEFAULT_CUDA_POOL_MB,
+    def __init__(self, repository, weights, device, dtype, log_path, cuda_pool_mb=launcher.DEFAULT_CUDA_POOL_MB,
                  instances=1):
-        self.http_port, self.grpc_port, self.metrics_port = serve.free_ports(3)
+        self.http_port, self.grpc_port, self.metrics_port = launcher.free_ports(3)
         self.log = open(log_path, "w")
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "colibri", "serve", "--model-repository", str(repository), "--weights", str(weights),
@@ -107,8 +108,8 @@ class Server:
     def __enter__(self):
         try:
             for model in MODELS:
-                serve.wait_until_ready(self.launcher, f"{self.host}/v2/models/{model}/ready", 600)
-        except serve.ServeError as exc:
+                launcher.wait_until_ready(self.launcher, f"{self.host}/v2/models/{model}/ready", 600)
+        except launcher.ServeError as exc:
             self.__exit__()
             raise RuntimeError(f"{exc}; server log: {self.log.name}") from None
         return self
@@ -339,8 +340,8 @@ def parse_args(argv):
     source.add_argument("--shape", default="8,2,256,512",
                         help="E,k,H,F of a demo checkpoint written for the run (default: the demo's)")
     p.add_argument("--weight-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="of a demo checkpoint")
-    p.add_argument("--device", default="auto", choices=sorted(serve.INSTANCE_KINDS))
-    p.add_argument("--dtype", default="fp32", choices=sorted(serve.TRITON_DTYPES), help="activations on the wire")
+    p.add_argument("--device", default="auto", choices=sorted(launcher.INSTANCE_KINDS))
+    p.add_argument("--dtype", default="fp32", choices=sorted(launcher.TRITON_DTYPES), help="activations on the wire")
     p.add_argument("--users", type=int, default=16)
     p.add_argument("--time", default="30s", help="Locust run time of each model's run")
     p.add_argument("--mixes", default="decode-heavy,prefill-heavy")
@@ -355,9 +356,9 @@ def parse_args(argv):
     p.add_argument("--step-time", type=float, default=10.0, help="seconds per user count of the sweep")
     p.add_argument("--budget-ms", type=float, default=200.0, help="P99 budget of the sweep")
     p.add_argument("--budget-profile", default="prefill", choices=("prefill", "decode"))
-    p.add_argument("--cuda-memory-pool-mb", type=int, default=serve.DEFAULT_CUDA_POOL_MB,
+    p.add_argument("--cuda-memory-pool-mb", type=int, default=launcher.DEFAULT_CUDA_POOL_MB,
                    help="passed to colibri serve (0: Triton's default of 64 MB)")
-    p.add_argument("--instances", type=serve.positive_int, default=1, help="instances per GPU of every model")
+    p.add_argument("--instances", type=launcher.positive_int, default=1, help="instances per GPU of every model")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "runs" / "serving")
     return p.parse_args(argv)
 

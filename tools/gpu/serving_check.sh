@@ -4,7 +4,7 @@
 # Serves a bf16 layer (SHAPE=E,k,H,F, default Mixtral's 8,2,4096,14336; DTYPE=fp8_e4m3 for fp8 experts
 # in 128 x 128 blocks, drawn and quantised with numpy: pick a smaller SHAPE; fp32 activations on the wire)
 # with --device auto (expecting KIND_GPU), runs the gRPC, HTTP, system- and CUDA-shared-memory clients
-# and a few seconds of Locust's CudaShmUser (CUDA shared memory is cupy's, colibri.cuda_shm: the machine's
+# and a few seconds of Locust's CudaShmUser (CUDA shared memory is cupy's, colibri.serving.cuda_shm: the machine's
 # cupy, no cuda-python), and times the first requests with and without the instance's warm-up. Carry
 # .whl/site-py312.tar.xz and .whl/tritonserver-py3.12.tar.xz (tools/gpu/wheels.sh, then
 # tools/gpu/loadtest_wheels.sh) and a CUDA build (COLIBRI_LIB=...; else make lib).

@@ -2,7 +2,7 @@
 # Fills .whl/ (git-ignored; WHL=DIR elsewhere) with what tools/gpu/serving_check.sh needs on a GPU machine that
 # reaches no package registry (Python 3.12 with numpy 2, cupy and safetensors already there): colibri's
 # binding (cffi, pycparser) and tritonclient's gRPC client with their dependencies, as cp312 manylinux
-# wheels at constraints.txt's versions (CUDA shared memory is cupy's, colibri.cuda_shm: no cuda-python),
+# wheels at constraints.txt's versions (CUDA shared memory is cupy's, colibri.serving.cuda_shm: no cuda-python),
 # and the tritonserver of the nvidia-pytriton wheel packed for Python 3.12 by
 # ../shared/tools/tritonserver-bundle.sh; .whl/pytest for tools/gpu/pytest.sh.
 #   usage (from anywhere, with PyPI reachable): tools/gpu/wheels.sh

@@ -5,7 +5,7 @@ import importlib.util
 import json
 import sys
 
-from colibri.serve import REPO_ROOT
+from colibri.testing.server import REPO_ROOT
 
 MODEL_PY = REPO_ROOT / "model_repository" / "colibri_moe" / "1" / "model.py"
 

@@ -82,7 +82,7 @@ def write_model(family, folder, **overrides):
 
 
 # How the fp8 releases store a quantised projection <proj>.weight [N, K] (F8_E4M3) beside it, and the
-# quantization_config in their config.json (pack.py's fp8 section reads each).
+# quantization_config in their config.json (colibri/pack/formats.py reads each).
 FP8_RELEASES = {
     # DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8: 128 x 128 blocks, weight_scale_inv [ceil(N/bn), ceil(K/bk)]
     "block": lambda block: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

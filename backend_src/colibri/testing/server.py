@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from colibri.serve import REPO_ROOT  # noqa: E402  (the checkout this package runs from)
+REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout: backend_src/colibri/testing/server.py
 
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
@@ -19,10 +19,10 @@ STOP_TIMEOUT_S = 60
 
 def missing_reason():
     """Why no tritonserver can be started here, or None. Only a missing server is a reason to skip."""
-    from colibri import serve
+    from colibri.serving import launcher
     try:
-        serve.find_tritonserver()
-    except serve.ServeError as exc:
+        launcher.find_tritonserver()
+    except launcher.ServeError as exc:
         return str(exc)
     return None
 
@@ -63,8 +63,8 @@ def serving(weights: Path, log_dir: Path, *serve_args, ports=None, probes=False)
     happened inside. The launcher's watchdog restarts a server that exits; its liveness probes (a
     one-token request every 5 s) only with `probes`, as they would show in the statistics and
     metrics that tests count exactly."""
-    from colibri import serve
-    http_port, grpc_port, metrics_port = ports or serve.free_ports(3)
+    from colibri.serving.launcher import free_ports
+    http_port, grpc_port, metrics_port = ports or free_ports(3)
     if not probes:
         serve_args = ("--probe-interval", "0", *serve_args)
     server = Server(http_port, grpc_port, metrics_port, log_dir / f"tritonserver-{http_port}.log")
@@ -103,7 +103,7 @@ def _wait_ready(launcher, server):
 
 def _stop(launcher):
     """SIGTERM to the launcher, which forwards it to tritonserver and waits for it; then SIGKILL if
-    need be (the server is tied to the launcher's life, see colibri.serve)."""
+    need be (the server is tied to the launcher's life, see colibri.serving.launcher)."""
     if launcher.poll() is None:
         launcher.send_signal(signal.SIGTERM)
         try:

@@ -7,7 +7,7 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from colibri import triton_config
+from colibri.serving import triton_config
 
 
 class TritonPythonModel:

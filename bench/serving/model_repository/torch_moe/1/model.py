@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 import triton_python_backend_utils as pb_utils
 
-from colibri import checkpoint, triton_config
+from colibri import checkpoint
+from colibri.serving import triton_config
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
 
@@ -104,7 +105,7 @@ class TritonPythonModel:
         return triton_config.complete(auto_complete_model_config, os.path.dirname(os.path.abspath(__file__)))
 
     def initialize(self, args):
-        path = triton_config.instance_weights_path(args)
+        path = triton_config.instance_settings(args).weights
         on_gpu = args["model_instance_kind"] == "GPU"
         device = torch.device("cuda", int(args["model_instance_device_id"])) if on_gpu else torch.device("cpu")
         self.layer = TorchMoE(path, device)

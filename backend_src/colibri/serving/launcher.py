@@ -14,7 +14,7 @@ first `python3` on PATH. RUN/python's bin goes first on PATH, and a .pth file th
 interpreter's PYTHONPATH entries, colibri's folder and site-packages, so model.py imports the same
 packages (numpy<2, cffi, colibri) as the launcher, from a venv, a --target folder or a checkout.
 
-The launcher owns the tritonserver process and keeps it alive (colibri.watchdog): it restarts it, on
+The launcher owns the tritonserver process and keeps it alive (colibri.serving.watchdog): it restarts it, on
 the same ports, when it exits unbidden or when --probe-failures one-token probes in a row fail while
 it runs (a Python-backend stub that died, which tritonserver 2.51 never restarts).
 """
@@ -38,11 +38,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from colibri import triton_config, watchdog
-from colibri.triton_config import TRITON_DTYPES
+from colibri.serving import triton_config, watchdog
+from colibri.serving.triton_config import TRITON_DTYPES
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_REPOSITORY = REPO_ROOT / "model_repository"
 MODEL_NAME = "colibri_moe"
 DEFAULT_WEIGHTS_NAME = "weights.colibri.safetensors"
 
@@ -170,7 +168,7 @@ def configure_model(config_text: str, device: str, dtype: str, instances: int = 
 def stage_repository(repository: Path, run_dir: Path, weights: Path, device: str, dtype: str,
                      instances: int = 1) -> Path:
     """A copy of the repository made of links, with colibri_moe's config rewritten and naming the
-    checkpoint served (colibri.triton_config.stage_repository)."""
+    checkpoint served (colibri.serving.triton_config.stage_repository)."""
     staged = run_dir / "models"
     try:
         ident = triton_config.stage_repository(repository, staged, MODEL_NAME, weights,
@@ -180,6 +178,13 @@ def stage_repository(repository: Path, run_dir: Path, weights: Path, device: str
     if ident.note:  # hashed now: say what it cost, and whether the next start pays it again
         print(f"colibri serve: {ident.note}", flush=True)
     return staged
+
+
+def checkout_repository() -> Path | None:
+    """The model repository of the checkout this package runs from (three folders above this file's
+    backend_src/colibri/serving/), or None: an installed package carries none."""
+    repository = Path(__file__).resolve().parents[3] / "model_repository"
+    return repository if (repository / MODEL_NAME / "config.pbtxt").is_file() else None
 
 
 def ensure_weights(weights: Path | None, repository: Path) -> Path:
@@ -371,8 +376,9 @@ def parse_args(argv):
                         help="Port of the gRPC endpoint (default: %(default)s).")
     parser.add_argument("--metrics-port", type=int, default=8002, metavar="PORT",
                         help="Port of the Prometheus metrics endpoint (default: %(default)s).")
-    parser.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY, metavar="DIR",
-                        help="The Triton model repository to serve (default: this checkout's model_repository).")
+    parser.add_argument("--model-repository", type=Path, default=None, metavar="DIR",
+                        help="The Triton model repository to serve (default: the model_repository of the checkout "
+                             "colibri runs from; an installed package has none, so give it).")
     parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
                         help="The packed checkpoint to serve, a *.colibri.safetensors file (default: "
                              f"{MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME} in the model repository, where a demo "
@@ -399,7 +405,11 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        repository = args.model_repository.resolve()
+        repository = args.model_repository or checkout_repository()
+        if repository is None:
+            raise ServeError("no model repository: this colibri package is installed, not run from a checkout; "
+                             "pass --model-repository DIR (a Colibri checkout's model_repository)")
+        repository = repository.resolve()
         weights = ensure_weights(args.weights, repository)
         server_root = find_tritonserver()
         check_ports_free(args.host, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})

@@ -7,7 +7,7 @@ fill in dims a config leaves empty, and refuse to change declared ones (even -1)
 known, Triton's model metadata and config tell clients H and k, and Triton refuses a request of the
 wrong width itself, naming the input. Only the checkpoint's header is read here.
 
-The served checkpoint's identity (colibri.identity) goes into the config as parameters
+The served checkpoint's identity (colibri.serving.identity) goes into the config as parameters
 COLIBRI_CHECKPOINT_*, so `GET /v2/models/colibri_moe/config` tells what is served. Auto-complete
 cannot add them: tritonserver keeps only the max_batch_size, tensors, scheduling and transaction
 policy that `auto_complete_config` returns and drops its parameters. So the launchers (`colibri
@@ -18,9 +18,10 @@ import datetime
 import json
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
-from colibri import checkpoint, identity
+from colibri import checkpoint
+from colibri.serving import identity
 
 
 def weights_path(model_config: dict, version_dir: str) -> str:
@@ -30,15 +31,39 @@ def weights_path(model_config: dict, version_dir: str) -> str:
     return os.path.join(version_dir, weights)
 
 
-def instance_weights_path(args: dict) -> str:
-    """weights_path for the model instance that Triton's `initialize(args)` describes."""
-    return weights_path(json.loads(args["model_config"]), os.path.join(args["model_repository"], args["model_version"]))
+class InstanceSettings(NamedTuple):
+    """What a model instance takes from Triton's `initialize(args)`, its model config read once."""
+    weights: str                  # the checkpoint's path (weights_path)
+    on_gpu: bool                  # a KIND_GPU instance
+    device_id: int
+    metric_labels: dict           # model and version, for the instance's metrics
+    metrics_interval: float       # seconds (metrics_interval)
+    warmup_tokens: list           # token counts of the warm-up forwards (warmup_tokens)
+    activation_dtype: str         # of hidden_states on the wire (activation_dtype)
+    known_identity: Optional[identity.Identity]  # the checkpoint's, as the launcher wrote it, or None
+
+    def checkpoint_identity(self) -> identity.Identity:
+        """The identity of the checkpoint loaded: the launcher's, if the file is unchanged since."""
+        return identity.of(self.weights, known=self.known_identity)
 
 
-def metrics_interval(args: dict) -> float:
+def instance_settings(args: dict) -> InstanceSettings:
+    """The settings of the model instance that `initialize(args)` describes; raises ValueError naming
+    a config parameter that is not valid."""
+    config = json.loads(args["model_config"])
+    on_gpu = args["model_instance_kind"] == "GPU"
+    return InstanceSettings(
+        weights=weights_path(config, os.path.join(args["model_repository"], args["model_version"])),
+        on_gpu=on_gpu, device_id=int(args["model_instance_device_id"]),
+        metric_labels={"model": args["model_name"], "version": args["model_version"]},
+        metrics_interval=metrics_interval(config), warmup_tokens=warmup_tokens(config, on_gpu),
+        activation_dtype=activation_dtype(config), known_identity=identity_in_config(config))
+
+
+def metrics_interval(model_config: dict) -> float:
     """Seconds between flushes of the per-expert token counters to Triton: config parameter
     COLIBRI_METRICS_INTERVAL_S, default 1 (0: after every batch)."""
-    parameters = json.loads(args["model_config"]).get("parameters", {})
+    parameters = model_config.get("parameters", {})
     text = parameters.get("COLIBRI_METRICS_INTERVAL_S", {}).get("string_value", "1")
     try:
         value = float(text)
@@ -49,17 +74,16 @@ def metrics_interval(args: dict) -> float:
     return value
 
 
-def warmup_tokens(args: dict, on_gpu: bool) -> list:
+def warmup_tokens(model_config: dict, on_gpu: bool) -> list:
     """Token counts of the warm-up forwards an instance runs before it reports ready (config parameter
     COLIBRI_WARMUP, 'yes' (default) or 'no': none). On a GPU the kernels differ with the tokens per
     expert, so decode to a full batch (capped at max_batch_size); on the CPU one token is enough."""
-    config = json.loads(args["model_config"])
-    text = config.get("parameters", {}).get("COLIBRI_WARMUP", {}).get("string_value", "yes").strip().lower()
+    text = model_config.get("parameters", {}).get("COLIBRI_WARMUP", {}).get("string_value", "yes").strip().lower()
     if text not in ("yes", "no"):
         raise ValueError(f"config parameter COLIBRI_WARMUP: {text!r} is not 'yes' or 'no'")
     if text == "no":
         return []
-    most = int(config.get("max_batch_size", 0)) or 4096
+    most = int(model_config.get("max_batch_size", 0)) or 4096
     return sorted({min(t, most) for t in (1, 64, 512, 4096)}) if on_gpu else [1]
 
 
@@ -67,9 +91,9 @@ def warmup_tokens(args: dict, on_gpu: bool) -> list:
 TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
 
 
-def activation_dtype(args: dict) -> str:
+def activation_dtype(model_config: dict) -> str:
     """The dtype of hidden_states on the wire ('fp32' | 'fp16' | 'bf16'), from the loaded config."""
-    for tensor in json.loads(args["model_config"]).get("input", []):
+    for tensor in model_config.get("input", []):
         if tensor.get("name") == "hidden_states":
             return next((d for d, t in TRITON_DTYPES.items() if t == tensor.get("data_type")), "fp32")
     return "fp32"
@@ -117,11 +141,6 @@ def identity_in_config(model_config: dict) -> Optional[identity.Identity]:
         return None
 
 
-def instance_identity(args: dict, path: str) -> identity.Identity:
-    """The identity of the checkpoint an instance loaded: the launcher's, if the file is unchanged since."""
-    return identity.of(path, known=identity_in_config(json.loads(args["model_config"])))
-
-
 def pbtxt_string(text: str) -> str:
     """A protobuf text-format string literal: quotes, backslashes and anything outside printable ASCII
     escaped (the latter as octal bytes of its UTF-8)."""
@@ -143,7 +162,7 @@ def with_identity(config_text: str, ident: identity.Identity) -> str:
     entries = ",\n".join(f"  {{ key: {pbtxt_string(k)} value: {{ string_value: {pbtxt_string(v)} }} }}"
                          for k, v in identity_parameters(ident).items())
     return (config_text.rstrip("\n") + "\n\n# The checkpoint served (added by the launcher; "
-            "colibri.triton_config.stage_repository)\nparameters [\n" + entries + "\n]\n")
+            "colibri.serving.triton_config.stage_repository)\nparameters [\n" + entries + "\n]\n")
 
 
 def stage_repository(repository, out, model: str, weights, rewrite: Optional[Callable[[str], str]] = None):
