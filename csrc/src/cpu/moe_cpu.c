@@ -1049,6 +1049,12 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
     return COLIBRI_OK;
 }
 
+/* The CPU backend computes every layer the front end accepts. */
+static colibri_status_t cpu_supports(const colibri_moe_config_t *config, const colibri_moe_weights_t *weights) {
+    (void)config; (void)weights;
+    return COLIBRI_OK;
+}
+
 const colibri_backend_t colibri_cpu_backend = {
-    "cpu", 1, cpu_init, cpu_forward, cpu_route, cpu_expert_counts, cpu_take_device_error, cpu_destroy,
+    "cpu", 1, cpu_supports, cpu_init, cpu_forward, cpu_route, cpu_expert_counts, cpu_take_device_error, cpu_destroy,
 };

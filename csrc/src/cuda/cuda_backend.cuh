@@ -215,8 +215,8 @@ struct ScaleGrid {
 
 /* The grid of matrix `matrix` (0 gate or w, 1 up, 2 down: colibri_scale_grid_offset) with K columns for
  * a projection of ctx's (view's) experts; second: the up grid after the gate grid. Zeros where the
- * weights are not fp8. The CUDA backend takes scale_block_k 0 or a power of two from 16 on (colibri.c's
- * cuda_missing refuses the others), so that 16 consecutive weights share a scale. */
+ * weights are not fp8. The CUDA backend takes scale_block_k 0 or a power of two from 16 on (cuda_supports.h
+ * refuses the others), so that 16 consecutive weights share a scale. */
 static inline ScaleGrid colibri_cuda_scale_grid(const colibri_moe_context_t *ctx, int matrix, int32_t K) {
     const float *s = ((const struct CudaBackend *)ctx->backend)->expert_scales;
     ScaleGrid g = {};
