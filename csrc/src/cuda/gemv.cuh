@@ -109,7 +109,7 @@ __device__ __forceinline__ int gemv_direct_setup(const ProjArgs &a, int &expert,
 /* gemv_direct_setup for at most 32 ids, by each warp alone: no block barrier. The warp's positions go to
  * its own 32 ints of s_pos (s_pos_w); the expert and the count are those the block version finds. At
  * decode the block version's barriers and scan stood between the dependency wait and the first weight
- * load of every block (2200-3700 cycles with the ids load). */
+ * load of every block (docs/performance.md). */
 __device__ __forceinline__ int gemv_direct_setup_warp(const ProjArgs &a, int &expert, int *s_pos_w) {
     const int lane = threadIdx.x & 31, n = a.num_ids;
     int id = -1;
