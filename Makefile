@@ -292,7 +292,7 @@ $(BUILD)/tests/check_cuda: csrc/tests/check_cuda.cu $(LIB_A) csrc/include/colibr
 
 # The fp8 tensor-core kernels alone (csrc/tests/check_fp8_gemm.cu): their own tile tables, limits tighter than
 # the API's (against the fp8 activations they were given), sm_90a only; test-cuda runs it where 90 is built.
-$(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu csrc/src/cuda/wgmma_fp8.cuh csrc/src/cuda/fp8_quant.cuh
+$(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc/include \
 	  -Icsrc/src -Icsrc/src/cuda -o $@ $<

@@ -62,7 +62,7 @@ struct CudaBackend {
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
     unsigned *ws_sched;         /* [4] wgmma_ws_kernel's item counters: 0-1 the first projection's, 2-3 the second's */
-    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (wgmma_ws.cuh, ws_chain_wait) */
+    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (sm90_wgmma_ws_experts.cuh, ws_chain_wait) */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
@@ -77,9 +77,9 @@ struct CudaBackend {
     uint8_t *inter_q;           /* [Tw * k, F] inter in fp8 (SWIGLU) */
     float *inter_q_scales;      /* [Tw * k, ceil(F / 128)] its scales */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
-    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see mma_experts.cuh) */
+    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see sm80_mma_experts.cuh) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
-    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma_kernel.cuh */
+    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use sm90_wgmma_experts.cuh */
     int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int ws_fold;                /* rows past 128 an expert's last tile may take (colibri_cuda_experts_absorb) */
@@ -291,11 +291,11 @@ PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_
 /* Enqueues that plan's L2 prefetch; OK doing nothing where it is empty. */
 colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
                                               cudaStream_t stream);
-/* fp8_experts.cu */
+/* sm90_fp8_experts.cu */
 /* Sets up wgmma_fp8_kernel (at init, where wgmma_ws_kernel runs): its shared memory. */
 cudaError_t colibri_cuda_fp8_setup(void);
 /* Whether ctx's fp8 weights may run on the tensor cores: b->fp8_tc, rows of multiples of 16 and scale
- * blocks the kernel folds in (wgmma_fp8.cuh, fp8_scales_fit). */
+ * blocks the kernel folds in (sm90_fp8_experts.cuh, fp8_scales_fit). */
 bool colibri_cuda_fp8_tensor_cores(const colibri_moe_context_t *ctx);
 /* The expert pass of fp8 weights over 128-row tiles (after the permutation): y [T*k, O] in bf16. */
 colibri_status_t colibri_cuda_launch_fp8_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,

@@ -1,10 +1,10 @@
 /*
  * experts.cu — the expert FFNs over tokens grouped by expert (permute.cu's tile table): setup of the
  * expert kernels, the launchers (project, project_combine) and the L2 prefetch beside the router.
- * The kernels: gemv.cuh (few tokens), mma_experts.cuh (16-64 rows), wgmma_kernel.cuh and wgmma_ws.cuh
- * (128 rows on sm_90a); experts_plan.cu picks among them. Outputs: inter [T*k, F] and y [T*k, O] in
- * the compute dtype (the weight dtype; bf16 for fp8 weights), rows in sorted order (direct mode:
- * assignment order). See docs/cuda-design.md.
+ * The kernels: gemv.cuh (few tokens), sm80_mma_experts.cuh (16-64 rows), sm90_wgmma_experts.cuh and
+ * sm90_wgmma_ws_experts.cuh (128 rows on sm_90a); experts_plan.cu picks among them. Outputs: inter
+ * [T*k, F] and y [T*k, O] in the compute dtype (the weight dtype; bf16 for fp8 weights), rows in sorted
+ * order (direct mode: assignment order). See docs/cuda-design.md.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -14,9 +14,9 @@
 #include "activation.cuh"
 #include "experts_plan.cuh"
 #include "gemv.cuh"
-#include "mma_experts.cuh"
-#include "wgmma_kernel.cuh"
-#include "wgmma_ws.cuh"
+#include "sm80_mma_experts.cuh"
+#include "sm90_wgmma_experts.cuh"
+#include "sm90_wgmma_ws_experts.cuh"
 
 #if COLIBRI_TMA
 /* Whether environment variable `name` is set to something other than "" or "0" (the switches below). */
@@ -137,7 +137,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
                            size_t second, int matrix, int32_t n, int32_t k, const void *x, const int32_t *row_map,
                            void *out, bool x_aligned, const int32_t *direct_ids, bool bookkeeping,
                            cudaStream_t stream) {
-    constexpr bool f8 = std::is_same<TW, F8E4M3>::value;
+    constexpr bool f8 = is_fp8<TW>;
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
     int64_t slots = assignments / tile_m + active;
@@ -209,7 +209,7 @@ static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments
     }
     if constexpr (f8 && std::is_same<TX, __nv_bfloat16>::value) {
         /* fp8 weights the fp8 tensor cores do not take (sm_80, scale blocks they cannot fold in): mma_kernel
-         * widens each stage's weights to bf16 times their scales (mma_experts.cuh) */
+         * widens each stage's weights to bf16 times their scales (sm80_mma_experts.cuh) */
         a.early = !bookkeeping;
         bool long_k, narrow;
         plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
@@ -255,7 +255,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     const colibri_dtype_t out_dtype = act_dtype, compute = colibri_cuda_compute_dtype(c);
     /* the down projection of direct mode sums the top-k itself where its rows allow 16-byte loads */
     const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX &&
-                      F % (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? 16 : 8) == 0;
+                      F % colibri_cuda_vec_multiple(c->weight_dtype) == 0;
     *combined = false;
     /* fp8 weights' tiles (experts_plan.cu chose them): the fp8 tensor cores, which quantise x themselves */
     if (tile_m > GEMV_GROUP && c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && colibri_cuda_fp8_tensor_cores(ctx))

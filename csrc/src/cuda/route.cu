@@ -10,7 +10,7 @@
 #include <math.h>
 
 #include "gemv.cuh"
-#include "mma.cuh"
+#include "sm80_mma.cuh"
 #include "permute.cuh"
 #include "routing.h"
 

@@ -1,14 +1,14 @@
 /*
- * wgmma_kernel.cuh — wgmma_kernel, the 128-row expert tiles on Hopper (sm_90a) where every thread both
- * loads and multiplies: for CUDA 11.8 builds and drivers without the tensor-map encoder (else
- * wgmma_ws.cuh runs). Used in place of mma_kernel where the sm_90a image runs (mma.sync tops out near
- * 290 TFLOP/s there: its operands go through registers).
+ * sm90_wgmma_experts.cuh — wgmma_kernel, the 128-row expert tiles of bf16 and fp16 weights on Hopper
+ * (sm_90a) where every thread both loads and multiplies: for drivers without the tensor-map encoder
+ * (else sm90_wgmma_ws_experts.cuh runs). Used in place of mma_kernel where the sm_90a image runs, since
+ * mma.sync's operands go through registers there (docs/performance.md has the rates).
  */
-#ifndef COLIBRI_CUDA_WGMMA_KERNEL_CUH
-#define COLIBRI_CUDA_WGMMA_KERNEL_CUH
+#ifndef COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH
+#define COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH
 
 #include "gemv.cuh"
-#include "wgmma.cuh"
+#include "sm90_wgmma.cuh"
 
 /* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
  * so the next item's first stages load while this one's last products and epilogue run.
@@ -214,4 +214,4 @@ static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, bool 
     return colibri_launch(wgmma_kernel<T, Act, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
 
-#endif /* COLIBRI_CUDA_WGMMA_KERNEL_CUH */
+#endif /* COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH */
