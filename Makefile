@@ -42,7 +42,9 @@ ifeq ($(origin CUDA)$(filter serve,$(MAKECMDGOALS))$(NVIDIA_DRIVER_FOUND)$(if $(
 endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
-CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
+# instances/: the expert kernels, one unit per weight dtype and activation tag, so that make -j compiles
+# them side by side (csrc/src/cuda/experts_instances.cuh)
+CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu csrc/src/cuda/instances/*.cu)
 comma := ,
 # sm_90a (wgmma) exists from CUDA 12: an 11.8 toolkit builds plain sm_90, and the library falls back
 # to its sm_80/sm_90 kernels on any device without the sm_90a image.

@@ -174,28 +174,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 #endif
 }
 
-/* Writes 1 where the sm_90a image (and so wgmma_kernel's body) is the one this device runs. */
-__global__ void wgmma_probe_kernel(int *flag) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *flag = 1;
-#else
-    *flag = 0;
-#endif
-}
-
-static bool wgmma_available(int device) {
-    int major = 0, optin = 0, flag = 0, *d_flag = NULL;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9 ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        optin < WG_SMEM_BYTES || cudaMalloc(&d_flag, sizeof(int)) != cudaSuccess)
-        return false;
-    wgmma_probe_kernel<<<1, 1>>>(d_flag);
-    (void)cudaGetLastError(); /* a probe that could not launch leaves flag unread: no wgmma */
-    const bool ok = cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && flag == 1;
-    cudaFree(d_flag);
-    return ok;
-}
-
 template <class T, class Act> static cudaError_t wgmma_setup_one() {
     cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, Act, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          WG_SMEM_BYTES);
