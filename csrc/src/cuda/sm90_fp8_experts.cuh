@@ -2,14 +2,13 @@
  * sm90_fp8_experts.cuh — wgmma_fp8_kernel, the fp8 e4m3 expert projection on Hopper tensor cores (sm_90a,
  * CUDA 12 tensor maps): 128-row tiles of permute.cu's table, activations quantised per row and 128
  * columns (fp8_quant.cuh), weights with fp32 block, channel or tensor scales (colibri.h). Its tensor map
- * and launch too. A producer warpgroup fills wgmma_ws_kernel's ring (sm90_ring.cuh: weights by TMA, token
- * rows gathered by cp.async), two consumer warpgroups multiply and store.
+ * and launch too. The design follows wgmma_ws_kernel (docs/cuda-design.md): a producer warpgroup fills a ring
+ * (weights by TMA, token rows gathered by cp.async), two consumer warpgroups multiply and store.
  */
 #ifndef COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
 #define COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
 
 #include "fp8_quant.cuh"
-#include "sm90_ring.cuh"
 #include "sm90_wgmma_ws_experts.cuh"
 
 /* A stage is one 128-column scale group of k: 128 token rows and 128 weight rows of 128 bytes, the rows of
@@ -114,7 +113,10 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     if (tid == WG_THREADS) {
         for (int sl = 0; sl < F8_STAGES; sl++) {
-            ring_init_slot(f8_full_bar(sbase, sl), f8_empty_bar(sbase, sl), P_THREADS, WG_THREADS / 32);
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(f8_full_bar(sbase, sl)), "r"(P_THREADS + 1)
+                         : "memory");
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(f8_empty_bar(sbase, sl)), "r"(WG_THREADS / 32)
+                         : "memory");
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -128,7 +130,8 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
         const uint32_t my_off = swz<64>(r0, c);
         const uint64_t map = reinterpret_cast<uint64_t>(&wmap);
         if (p == 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
-        RingPos<F8_STAGES> ring = {0, 1}; /* the slot to fill, the parity of its empty phase */
+        int slot = 0;
+        uint32_t parity = 1; /* of the empty phase to wait for: the first pass through the ring waits for none */
         for (int it = blockIdx.x; it < items; it += gridDim.x) {
             int ti, nb;
             wg_item(it, tiles, nblocks, ti, nb);
@@ -143,18 +146,31 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
              * the item's 128 rows */
             const int row0 = nb * COLS, row1 = Act::glu ? a.n + nb * COLS : nb * COLS + F8_BN / 2;
             for (int kt = 0; kt < ktiles; kt++) {
-                ring_acquire(f8_empty_bar(sbase, ring.slot), ring.parity);
-                const uint32_t st = sbase + (uint32_t)ring.slot * F8_STAGE_BYTES, full = f8_full_bar(sbase, ring.slot);
+                ws_wait(f8_empty_bar(sbase, slot), parity);
+                /* the products read the slot through the async proxy; the cp.async below write it through
+                 * the generic one */
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                const uint32_t st = sbase + (uint32_t)slot * F8_STAGE_BYTES, full = f8_full_bar(sbase, slot);
                 const int k0 = kt * F8_BK;
                 if (p == 0) {
-                    ring_expect(full, (uint32_t)F8_B_BYTES);
-                    ring_tma_rows(st + F8_A_BYTES, map, k0, row0, tile.expert, full);
-                    ring_tma_rows(st + F8_A_BYTES + F8_B_BYTES / 2, map, k0, row1, tile.expert, full);
+                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
+                                 "r"((uint32_t)F8_B_BYTES)
+                                 : "memory");
+                    ws_tma_rows(st + F8_A_BYTES, map, k0, row0, tile.expert, full);
+                    ws_tma_rows(st + F8_A_BYTES + F8_B_BYTES / 2, map, k0, row1, tile.expert, full);
                 }
                 const bool k_ok = k0 + c * 16 < a.k;
-                ring_gather<A_PER_T, ROW_STEP>(st + my_off, a.x, row, a.k, k0, c, k_ok, (const void *)a.x);
-                ring_arrive_cp_async(full);
-                ring.next();
+#pragma unroll
+                for (int i = 0; i < A_PER_T; i++) {
+                    const bool ok = row[i] >= 0 && k_ok;
+                    const void *src = ok ? (const void *)(a.x + (size_t)row[i] * a.k + k0 + c * 16) : (const void *)a.x;
+                    cp_async16(st + my_off + i * ROW_STEP * 128, src, ok);
+                }
+                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
+                if (++slot == F8_STAGES) {
+                    slot = 0;
+                    parity ^= 1u;
+                }
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
@@ -165,7 +181,8 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, groups = fp8_groups(a.k);
     float acc[64], part[64];
-    RingPos<F8_STAGES> ring = {0, 0}; /* the slot to drain, the parity of its full phase */
+    int stage = 0;
+    uint32_t parity = 0; /* of the full phase to wait for */
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         int ti, nb;
         wg_item(it, tiles, nblocks, ti, nb);
@@ -196,11 +213,11 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                         wu_s = Act::glu ? __ldg(wrow + a.w_second_scales + kb) : wg_s;
                     }
                 }
-                ring_wait(f8_full_bar(sbase, ring.slot), ring.parity);
+                ws_wait(f8_full_bar(sbase, stage), parity);
                 if constexpr (MMA) {
                     /* A was written through the generic proxy (cp.async); wgmma reads through the async proxy */
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    const uint32_t st = sbase + (uint32_t)ring.slot * F8_STAGE_BYTES;
+                    const uint32_t st = sbase + (uint32_t)stage * F8_STAGE_BYTES;
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                     for (int ks = 0; ks < F8_BK / 32; ks++)
@@ -212,7 +229,7 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                 /* this warp is done with the slot */
                 __syncwarp();
                 if (lane == 0)
-                    ring_arrive(f8_empty_bar(sbase, ring.slot));
+                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(f8_empty_bar(sbase, stage)) : "memory");
                 if constexpr (MMA) {
                     const float g0 = s0 * wg_s, g1 = s1 * wg_s, u0 = s0 * wu_s, u1 = s1 * wu_s;
 #pragma unroll
@@ -225,7 +242,10 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                         acc[4 * j + 3] = fmaf(part[4 * j + 3], f1, acc[4 * j + 3]);
                     }
                 }
-                ring.next();
+                if (++stage == F8_STAGES) {
+                    stage = 0;
+                    parity ^= 1u;
+                }
             }
         };
         if (tile.end - tile.begin > 64 * wg) k_loop(std::true_type{});
