@@ -3,7 +3,7 @@
  * backend (C99) and the CUDA kernels (host and device) both call, so the two cannot drift apart: the
  * per-expert score p, the selection score s, the selection order, the group limit and the weights.
  * The CUDA warp kernels spread a token's experts over lanes, but every value they form comes from
- * these functions, in the order written here: a routing's arithmetic is written here only.
+ * these functions, in the order written here.
  */
 #ifndef COLIBRI_ROUTING_H
 #define COLIBRI_ROUTING_H
@@ -18,13 +18,9 @@
 #define COLIBRI_HD static inline
 #endif
 
-/* One expert's term of a softmax's sum: e^(l - mx), mx the largest of the logits it runs over. */
-COLIBRI_HD float colibri_route_softmax_term(float logit, float mx) { return expf(logit - mx); }
-
-/* p_e from logit l_e; mx and sum are softmax's max and sum of colibri_route_softmax_term over the token
- * (SOFTMAX_TOPK). */
+/* p_e from logit l_e; mx and sum are softmax's max and sum of exp(l - mx) over the token (SOFTMAX_TOPK). */
 COLIBRI_HD float colibri_route_prob(colibri_routing_t routing, float logit, float mx, float sum) {
-    return routing == COLIBRI_ROUTING_SOFTMAX_TOPK   ? colibri_route_softmax_term(logit, mx) / sum
+    return routing == COLIBRI_ROUTING_SOFTMAX_TOPK   ? expf(logit - mx) / sum
            : routing == COLIBRI_ROUTING_SIGMOID_BIAS ? 1.0f / (1.0f + expf(-logit))
                                                      : logit;
 }
@@ -37,27 +33,9 @@ COLIBRI_HD float colibri_route_select(colibri_routing_t routing, float logit, fl
     return s != s ? -INFINITY : s;
 }
 
-/* colibri_route_select before the softmax sums are known: only SIGMOID_BIAS selects on p, which needs none. */
-COLIBRI_HD float colibri_route_select_logit(colibri_routing_t routing, float logit, const float *bias, int e) {
-    const float p = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? colibri_route_prob(routing, logit, 0.0f, 1.0f) : logit;
-    return colibri_route_select(routing, logit, p, bias, e);
-}
-
 /* Selection order: the higher score first, ties to the lower id. */
 COLIBRI_HD int colibri_route_before(float s, int e, float best_s, int best_e) {
     return s > best_s || (s == best_s && e < best_e);
-}
-
-/* A group's two best selection scores (first >= second), fed v in ascending expert id. */
-COLIBRI_HD void colibri_route_group_add(float v, float *first, float *second) {
-    if (v > *first) *second = *first, *first = v;
-    else if (v > *second) *second = v;
-}
-
-/* A group's score from its two best selection scores; NaN ranks last. */
-COLIBRI_HD float colibri_route_group_score(colibri_group_score_t how, float first, float second) {
-    const float g = how == COLIBRI_GROUP_SCORE_TOP2_SUM ? first + second : first;
-    return g != g ? -INFINITY : g;
 }
 
 /* Group limit (n_group > 1): s[0..E) are selection scores; every expert of a group outside the
@@ -68,8 +46,13 @@ COLIBRI_HD void colibri_route_limit_groups(float *s, int E, int n_group, int top
     const int size = E / n_group;
     for (int g = 0; g < n_group; g++) {
         float first = -INFINITY, second = -INFINITY;
-        for (int i = 0; i < size; i++) colibri_route_group_add(s[g * size + i], &first, &second);
-        group[g] = colibri_route_group_score(how, first, second);
+        for (int i = 0; i < size; i++) {
+            const float v = s[g * size + i];
+            if (v > first) second = first, first = v;
+            else if (v > second) second = v;
+        }
+        group[g] = how == COLIBRI_GROUP_SCORE_TOP2_SUM ? first + second : first;
+        if (group[g] != group[g]) group[g] = -INFINITY;
     }
     for (int g = 0; g < n_group; g++) {
         int rank = 0; /* groups ranked before g */
@@ -79,33 +62,22 @@ COLIBRI_HD void colibri_route_limit_groups(float *s, int E, int n_group, int top
     }
 }
 
-/* Whether the k weights are divided by their sum: TOPK_SOFTMAX (a softmax over the picks) or renormalize. */
-COLIBRI_HD int colibri_route_divides(colibri_routing_t routing, int renormalize) {
-    return routing == COLIBRI_ROUTING_TOPK_SOFTMAX || renormalize;
-}
-
-/* The divisor from a sum of the k values: a sum of zero only comes from sigmoids that underflowed; those
- * weights stay zero. */
-COLIBRI_HD float colibri_route_divisor(float sum) { return sum > 0.0f ? sum : 1.0f; }
-
-/* A pick's weight from its value v (p, or TOPK_SOFTMAX's softmax term), the divisor and the scale. */
-COLIBRI_HD float colibri_route_scaled(float v, float norm, float scale) { return v / norm * scale; }
-
 /* The weights of the k picks, in place: w[j] holds p of pick j (TOPK_SOFTMAX: its logit, picks in
- * descending order so w[0] is the largest). TOPK_SOFTMAX divides by its sum as it is (at least 1 unless
- * a logit is infinite or NaN), where the warp top-k of route.cu takes colibri_route_divisor of it. */
+ * descending order so w[0] is the largest). */
 COLIBRI_HD void colibri_route_weights(colibri_routing_t routing, int renormalize, float scale, float *w, int k) {
     float norm = 1.0f;
     if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
         const float m = w[0];
-        for (int j = 0; j < k; j++) w[j] = colibri_route_softmax_term(w[j], m);
-    }
-    if (colibri_route_divides(routing, renormalize)) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += w[j] = expf(w[j] - m);
+        norm = sum;
+    } else if (renormalize) {
         float sum = 0.0f;
         for (int j = 0; j < k; j++) sum += w[j];
-        norm = routing == COLIBRI_ROUTING_TOPK_SOFTMAX ? sum : colibri_route_divisor(sum);
+        /* a sum of zero only comes from sigmoids that underflowed; leave those weights at zero */
+        if (sum > 0.0f) norm = sum;
     }
-    for (int j = 0; j < k; j++) w[j] = colibri_route_scaled(w[j], norm, scale);
+    for (int j = 0; j < k; j++) w[j] = w[j] / norm * scale;
 }
 
 #endif /* COLIBRI_ROUTING_H */

@@ -582,7 +582,7 @@ static void route_token(const colibri_moe_config_t *cfg, const float *router_bia
     float mx = -INFINITY, sum = 0.0f;
     if (cfg->routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
         for (int32_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
-        for (int32_t e = 0; e < E; e++) sum += colibri_route_softmax_term(logits[e], mx);
+        for (int32_t e = 0; e < E; e++) sum += expf(logits[e] - mx);
     }
     for (int32_t e = 0; e < E; e++)
         select[e] = colibri_route_select(cfg->routing, logits[e], colibri_route_prob(cfg->routing, logits[e], mx, sum),
