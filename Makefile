@@ -33,16 +33,18 @@ LDLIBS      += -lm -fopenmp
 
 NVCC        ?= $(shell command -v nvcc 2>/dev/null)
 # `make serve` wants a first answer in minutes: without an NVIDIA driver it builds the CPU backend only
-# (experts.cu alone compiles for about 10 minutes on 2 cores), unless CUDA is given.
+# (the CUDA kernels take 10-20 minutes on 2 cores with make -j2), unless CUDA is given.
 NVIDIA_DRIVER_FOUND := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
 ifeq ($(origin CUDA)$(filter serve,$(MAKECMDGOALS))$(NVIDIA_DRIVER_FOUND)$(if $(NVCC),nvcc),undefinedservenvcc)
   CUDA := 0
   CUDA_NOTE := no NVIDIA driver here; make serve CUDA=1 builds it anyway
-  $(info colibri: make serve builds the CPU backend only: no NVIDIA driver here (CUDA=1 builds the CUDA backend too, about 10 minutes on 2 cores))
+  $(info colibri: make serve builds the CPU backend only: no NVIDIA driver here (CUDA=1 builds the CUDA backend too, 10-20 minutes on 2 cores))
 endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
-CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu)
+# instances/: the expert kernels, one unit per weight dtype and activation tag, so that make -j compiles
+# them side by side (csrc/src/cuda/experts_instances.cuh)
+CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu csrc/src/cuda/instances/*.cu)
 comma := ,
 # sm_90a (wgmma) exists from CUDA 12: an 11.8 toolkit builds plain sm_90, and the library falls back
 # to its sm_80/sm_90 kernels on any device without the sm_90a image.
@@ -89,7 +91,7 @@ $(BUILD)/obj/%.o: csrc/%.c $(HEADERS)
 
 $(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
-	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (experts.cu about 10 on 2 cores); CUDA=0 skips the CUDA backend"
+	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (each unit of instances/ 2-6 on a core; make -j runs them side by side); CUDA=0 skips the CUDA backend"
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 
 # Libraries are written beside their target and renamed over it: a server that has the old one
@@ -294,7 +296,7 @@ $(BUILD)/tests/check_cuda: csrc/tests/check_cuda.cu $(LIB_A) csrc/include/colibr
 
 # The fp8 tensor-core kernels alone (csrc/tests/check_fp8_gemm.cu): their own tile tables, limits tighter than
 # the API's (against the fp8 activations they were given), sm_90a only; test-cuda runs it where 90 is built.
-$(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu csrc/src/cuda/wgmma_fp8.cuh csrc/src/cuda/fp8_quant.cuh
+$(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(NVCC) -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc/include \
 	  -Icsrc/src -Icsrc/src/cuda -o $@ $<

@@ -48,7 +48,10 @@ export LD_LIBRARY_PATH=$root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIB
 "$nvcc" --version | tail -1
 # gcc 12 is newer than 11.8 supports officially (it stops at gcc 11); the check is of our sources.
 objects=()
-for source in csrc/src/cuda/*.cu; do objects+=("$cache/build/obj/src/cuda/$(basename "${source%.cu}").o"); done
+for source in csrc/src/cuda/*.cu csrc/src/cuda/instances/*.cu; do
+  relative=${source#csrc/}
+  objects+=("$cache/build/obj/${relative%.cu}.o")
+done
 make -s -j"$(nproc)" CUDA=1 NVCC="$nvcc -ccbin ${CXX:-g++} -allow-unsupported-compiler" CUDA_ARCH="80 90" \
   BUILD="$cache/build" CUDA_LIBDIR=/nonexistent "${objects[@]}"
 echo "check_cuda11: the CUDA sources compile with CUDA 11.8 for sm_80 and sm_90"

@@ -105,20 +105,11 @@ colibri_status_t colibri_moe_config_check(const colibri_moe_config_t *config) {
     return validate_config(config);
 }
 
-/* The features a CUDA build does not compute yet; refused rather than computed differently. */
-static const char *cuda_missing(const colibri_moe_config_t *c, const colibri_moe_weights_t *w) {
-    (void)w;
-    /* the warp top-k ranks the groups with one lane each */
-    if (c->n_group > 32) return "group-limited routing with more than 32 groups";
-    /* the fp8 kernels give 16 consecutive weights of a row one scale, found by a shift */
-    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && c->scale_block_k != 0 &&
-        (c->scale_block_k < 16 || (c->scale_block_k & (c->scale_block_k - 1)) != 0))
-        return "fp8 weights with a scale_block_k other than 0 or a power of two from 16 on";
-    /* the shared slices take SiLU while the routed experts take the OAI tag: one tag per launch */
-    if (c->shared_intermediate_size > 0 && c->activation != COLIBRI_ACTIVATION_SILU)
-        return "a shared expert beside the SWIGLU_OAI activation";
-    return NULL;
-}
+/* The backend of each device; config.device is validated before it is looked up here. */
+static const colibri_backend_t *const backends[] = {
+    [COLIBRI_DEVICE_CPU] = &colibri_cpu_backend,
+    [COLIBRI_DEVICE_CUDA] = &colibri_cuda_backend,
+};
 
 static float *copy_finite_floats(const float *src, size_t n, const char *name, colibri_status_t *st) {
     float *dst = (float *)malloc(n * sizeof(float));
@@ -260,12 +251,7 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
         return st;
     if (w->router_logit_bias && !w->router_weight)
         return colibri_set_error(bad, "weights.router_logit_bias is given without router_weight");
-    if (c->device == COLIBRI_DEVICE_CUDA) {
-        const char *missing = cuda_missing(c, w);
-        if (missing)
-            return colibri_set_error(COLIBRI_ERR_UNSUPPORTED, "the CUDA backend does not compute %s yet; "
-                                     "use the CPU backend for this layer", missing);
-    }
+    if ((st = backends[c->device]->supports(c, w)) != COLIBRI_OK) return st;
 
     uint64_t numel = colibri_expert_numel(c->expert_kind, c->hidden_size, c->intermediate_size);
     for (int32_t e = 0; e < c->num_experts; e++) {
@@ -345,7 +331,7 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
         if (st != COLIBRI_OK) { free_context(ctx); return st; }
     }
 
-    ctx->ops = c->device == COLIBRI_DEVICE_CPU ? &colibri_cpu_backend : &colibri_cuda_backend;
+    ctx->ops = backends[c->device];
     st = ctx->ops->init(ctx, w->expert_weights, w->expert_offsets);
     if (st != COLIBRI_OK) { free_context(ctx); return st; }
     if (ctx->cfg.workspace_tokens < 1) {

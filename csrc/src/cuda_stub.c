@@ -1,7 +1,9 @@
 /*
  * cuda_stub.c — stands in for the CUDA backend when the library is built without nvcc, so that a
- * CUDA context is refused with a clear message instead of failing to link.
+ * CUDA context is refused with a clear message instead of failing to link. It answers supports as the
+ * CUDA backend does (the same layers refused the same way), and refuses the rest at init.
  */
+#include "cuda/cuda_supports.h"
 #include "internal.h"
 
 static colibri_status_t not_built(void) {
@@ -35,7 +37,8 @@ static colibri_status_t stub_expert_counts(colibri_moe_context_t *ctx, uint64_t 
 static colibri_status_t stub_take_device_error(colibri_moe_context_t *ctx) { (void)ctx; return not_built(); }
 static void stub_destroy(colibri_moe_context_t *ctx) { (void)ctx; }
 const colibri_backend_t colibri_cuda_backend = {
-    "cuda (not built)", 0, stub_init, stub_forward, stub_route, stub_expert_counts, stub_take_device_error, stub_destroy,
+    "cuda (not built)", 0, colibri_cuda_supports, stub_init, stub_forward, stub_route, stub_expert_counts,
+    stub_take_device_error, stub_destroy,
 };
 
 int32_t colibri_cuda_built_impl(void) { return 0; }

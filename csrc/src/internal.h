@@ -73,6 +73,9 @@ colibri_status_t colibri_check_routing(const colibri_moe_context_t *ctx, int64_t
 typedef struct colibri_backend {
     const char *name;
     int host_memory;  /* 1: its pointers are host memory, so the front end checks given routing first */
+    /* COLIBRI_OK where this backend computes the layer that config and weights describe (both validated
+     * by the front end), else COLIBRI_ERR_UNSUPPORTED with the reason recorded. Asked before any copy. */
+    colibri_status_t (*supports)(const colibri_moe_config_t *config, const colibri_moe_weights_t *weights);
     colibri_status_t (*init)(colibri_moe_context_t *ctx, const void *expert_weights, const uint64_t *expert_offsets);
     colibri_status_t (*forward)(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                 const void *input, const int32_t *topk_ids, const float *topk_weights,

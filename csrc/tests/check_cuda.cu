@@ -100,7 +100,7 @@ struct Shape {
     int bn = 0, bk = 0; /* fp8 weights: the scale blocks (colibri.h; 0 = the whole dimension) */
 };
 
-/* fp8 weights on the fp8 tensor cores (wgmma_fp8.cuh: sm_90a, from 9 assignments on, H and F multiples of
+/* fp8 weights on the fp8 tensor cores (sm90_fp8_experts.cuh: sm_90a, from 9 assignments on, H and F multiples of
  * 16, scale blocks of multiples of 128 or per output channel) compute with the activations quantised to e4m3
  * per 128 columns, x and the SWIGLU intermediate: up to 2^-4 relative per element, partly averaging out in
  * the sums. Against the float64 forward of the dequantised weights, normalised by max|reference|: at most

@@ -1,5 +1,5 @@
 /*
- * check_fp8_gemm.cu — the fp8 tensor-core kernels alone (fp8_quant.cuh, wgmma_fp8.cuh) against float64, on
+ * check_fp8_gemm.cu — the fp8 tensor-core kernels alone (fp8_quant.cuh, sm90_fp8_experts.cuh) against float64, on
  * tile tables built here: the quantisation per element, the projection against the dequantised
  * activations it was given (indexing, scales, epilogue: bf16 rounding only) and against the unquantised
  * ones (the fp8 activation error), outputs poisoned with NaN first. --bench times the Mixtral- and
@@ -16,7 +16,7 @@
 #include <random>
 #include <vector>
 
-#include "wgmma_fp8.cuh"
+#include "sm90_fp8_experts.cuh"
 
 /* the library's error function, which cuda_backend.cuh's check refers to */
 extern "C" colibri_status_t colibri_set_error(colibri_status_t status, const char *, ...) { return status; }

@@ -317,7 +317,7 @@ static ALWAYS_INLINE void dot_tile_bf16(const int nt, const void *const *x, cons
     __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
     for (int64_t i = 0; i < in; i += 32) {
         const __mmask32 m = in - i >= 32 ? 0xffffffffu : (1u << (in - i)) - 1u;
-        if (prefetch) { /* into L2 only: prefetching these into L1 too made decode ~20% slower (measured) */
+        if (prefetch) { /* into L2 only: into L1 too was slower at decode (docs/performance.md) */
             _mm_prefetch((const char *)(w0 + 4 * in + i), _MM_HINT_T1);
             _mm_prefetch((const char *)(w1 + 4 * in + i), _MM_HINT_T1);
             _mm_prefetch((const char *)(w2 + 4 * in + i), _MM_HINT_T1);
@@ -1049,6 +1049,12 @@ static colibri_status_t cpu_init(colibri_moe_context_t *ctx, const void *expert_
     return COLIBRI_OK;
 }
 
+/* The CPU backend computes every layer the front end accepts. */
+static colibri_status_t cpu_supports(const colibri_moe_config_t *config, const colibri_moe_weights_t *weights) {
+    (void)config; (void)weights;
+    return COLIBRI_OK;
+}
+
 const colibri_backend_t colibri_cpu_backend = {
-    "cpu", 1, cpu_init, cpu_forward, cpu_route, cpu_expert_counts, cpu_take_device_error, cpu_destroy,
+    "cpu", 1, cpu_supports, cpu_init, cpu_forward, cpu_route, cpu_expert_counts, cpu_take_device_error, cpu_destroy,
 };

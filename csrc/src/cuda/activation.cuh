@@ -1,6 +1,6 @@
 /*
  * activation.cuh — what an expert does between its projections, as a tag type the expert kernels take
- * (gemv.cuh, mma_experts.cuh, wgmma*.cuh): `glu` says whether the first projection multiplies a gate
+ * (gemv.cuh, sm80_mma_experts.cuh, sm90_*.cuh): `glu` says whether the first projection multiplies a gate
  * and an up matrix; apply(gate, up, args) forms the output from their sums. colibri_dispatch_act is
  * the one place that maps a layer's config to its tag.
  */

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cuda_backend.cuh"
+#include "cuda_supports.h"
 
 #define DEFAULT_WORKSPACE_TOKENS 8192
 
@@ -288,8 +289,8 @@ void colibri_cuda_destroy(colibri_moe_context_t *ctx) {
 }
 
 const colibri_backend_t colibri_cuda_backend = {
-    "cuda", 0, colibri_cuda_init, colibri_cuda_forward, colibri_cuda_route, colibri_cuda_expert_counts,
-    colibri_cuda_take_device_error, colibri_cuda_destroy,
+    "cuda", 0, colibri_cuda_supports, colibri_cuda_init, colibri_cuda_forward, colibri_cuda_route,
+    colibri_cuda_expert_counts, colibri_cuda_take_device_error, colibri_cuda_destroy,
 };
 
 int32_t colibri_cuda_built_impl(void) { return 1; }

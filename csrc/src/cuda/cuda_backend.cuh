@@ -1,7 +1,7 @@
 /*
  * cuda_backend.cuh — what the CUDA backend's files share: the backend state hung off the context,
- * the CUDA error check, dtype tags and conversions, vector loads, and the launchers each op family
- * exports to the orchestration in context.cu. Private to csrc/src/cuda/.
+ * the CUDA error check, launch helpers, and the launchers each op family exports to the orchestration
+ * in context.cu (dtypes: dtype.cuh). Private to csrc/src/cuda/.
  * One forward chunk, on the caller's stream: route.cu (logits, top-k) -> permute.cu (grouping by
  * expert, the tile table; skipped at decode) -> experts.cu (up and down projections) -> combine.cu
  * (the weighted top-k sum). docs/cuda-design.md ("One forward") has the shapes.
@@ -9,12 +9,10 @@
 #ifndef COLIBRI_CUDA_BACKEND_CUH
 #define COLIBRI_CUDA_BACKEND_CUH
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "dtype.cuh"
 #include "internal.h"
 
 #define COLIBRI_CUDA_CHECK(call)                                                                        \
@@ -64,7 +62,7 @@ struct CudaBackend {
     unsigned long long *totals; /* [E] assignments per expert since init / reset */
     int32_t *bad_id;            /* [1] set when an id out of range was met */
     unsigned *ws_sched;         /* [4] wgmma_ws_kernel's item counters: 0-1 the first projection's, 2-3 the second's */
-    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (wgmma_ws.cuh, ws_chain_wait) */
+    unsigned *ws_ready;         /* [Tw * k + E] per tile: first-projection items stored (sm90_wgmma_ws_experts.cuh, ws_chain_wait) */
     unsigned *route_done;       /* [1] blocks of the small-T route kernel done; 0 between launches (route.cu) */
     int32_t *permute_hist;      /* [chunks, E] per-chunk expert counts of the multi-block permutation */
     int32_t *permute_counts;    /* [E] its per-expert totals; 0 between launches (permute.cu) */
@@ -74,14 +72,14 @@ struct CudaBackend {
     void *xc;                   /* [Tw, H] input converted to the compute dtype (tensor-core path) */
     void *inter;                /* [Tw * k, F] compute dtype (SWIGLU only) */
     void *y;                    /* [Tw * k, O] compute dtype: each assignment's expert output */
-    uint8_t *xq;                /* fp8 weights: [Tw, H] the tokens in fp8 for the tensor cores (fp8_experts.cu) */
+    uint8_t *xq;                /* fp8 weights: [Tw, H] the tokens in fp8 for the tensor cores (sm90_fp8_experts.cu) */
     float *xq_scales;           /* [Tw, ceil(H / 128)] their scales */
     uint8_t *inter_q;           /* [Tw * k, F] inter in fp8 (SWIGLU) */
     float *inter_q_scales;      /* [Tw * k, ceil(F / 128)] its scales */
     int permute_threads;        /* block size of the permute kernel (bounded by E, see permute.cu) */
-    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see mma_experts.cuh) */
+    bool mma_wide_k;            /* the device fits the BK=64 tensor-core kernels (see sm80_mma_experts.cuh) */
     bool mma_long_k;            /* and the BK=128 ones of long rows (one block per SM) */
-    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use wgmma_kernel.cuh */
+    bool wgmma;                 /* the sm_90a image runs here: 128-row tiles use sm90_wgmma_experts.cuh */
     int ws_clusters;            /* > 0: tiles an expert shares run on the MC wgmma_ws_kernel, this many clusters at once */
     void *tma_encode;           /* with wgmma: cuTensorMapEncodeTiled; non-NULL: 128-row tiles run wgmma_ws_kernel */
     int ws_fold;                /* rows past 128 an expert's last tile may take (colibri_cuda_experts_absorb) */
@@ -99,102 +97,6 @@ struct CudaBackend {
  * columns, one fp32 scale each (fp8_quant.cuh); the workspace holds fp8_groups(k) scales per row. */
 #define FP8_GROUP 128   /* one k step of the fp8 tiles */
 __host__ __device__ inline int fp8_groups(int k) { return (k + FP8_GROUP - 1) / FP8_GROUP; }
-
-template <class T> struct DtypeTag { using type = T; };
-
-/* Calls f(DtypeTag<T>{}) with T the C++ type of dtype d. */
-template <class F> static inline void colibri_dispatch_dtype(colibri_dtype_t d, F &&f) {
-    switch (d) {
-    case COLIBRI_DTYPE_F32: f(DtypeTag<float>{}); break;
-    case COLIBRI_DTYPE_F16: f(DtypeTag<__half>{}); break;
-    case COLIBRI_DTYPE_BF16: f(DtypeTag<__nv_bfloat16>{}); break;
-    }
-}
-
-/* An fp8 e4m3 weight (OCP e4m3fn: S.1111.111 is NaN), as the packed checkpoint stores it: a type of its
- * own, so that no overload takes it for an integer. Weights only: nothing is ever stored in it. */
-struct F8E4M3 {
-    __nv_fp8_storage_t bits;
-};
-
-/* Calls f(DtypeTag<T>{}) with T the C++ type of weight dtype d: colibri_dispatch_dtype's and F8E4M3. */
-template <class F> static inline void colibri_dispatch_weight_dtype(colibri_dtype_t d, F &&f) {
-    if (d == COLIBRI_DTYPE_F8E4M3) f(DtypeTag<F8E4M3>{});
-    else colibri_dispatch_dtype(d, f);
-}
-
-/* The dtype experts of weights TW compute and store in (inter, y, the tensor cores' x): TW itself, bf16
- * for fp8 (e4m3 values are exact in bf16, and the 16-bit kernels take bf16). */
-template <class TW> struct ComputeOf { using type = TW; };
-template <> struct ComputeOf<F8E4M3> { using type = __nv_bfloat16; };
-template <class TW> using compute_t = typename ComputeOf<TW>::type;
-static inline colibri_dtype_t colibri_cuda_compute_dtype(const colibri_moe_config_t *c) {
-    return c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? COLIBRI_DTYPE_BF16 : c->weight_dtype;
-}
-
-__device__ __forceinline__ float to_f32(float v) { return v; }
-__device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-/* e4m3 -> fp16 is exact (one cvt on sm_89 on; cuda_fp8.h emulates it before), NaN stays NaN */
-__device__ __forceinline__ float to_f32(F8E4M3 v) {
-    return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
-}
-/* Two adjacent e4m3 weights (the lower address in .x) to fp32, exactly: one cvt.f16x2.e4m3x2 on sm_89 on. */
-__device__ __forceinline__ float2 f8x2_to_f32(__nv_fp8x2_storage_t v) {
-    return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3)));
-}
-
-template <class T> __device__ __forceinline__ T from_f32(float v);
-template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <class T, int N> struct alignas(sizeof(T) * N > 16 ? 16 : sizeof(T) * N) Pack {
-    T v[N];
-};
-
-/* N elements from p, which is aligned to min(16, N * sizeof(T)) bytes, widened to fp32. */
-template <class T, int N> __device__ __forceinline__ void load_f32(const T *p, float (&out)[N]) {
-    const Pack<T, N> pk = *reinterpret_cast<const Pack<T, N> *>(p);
-#pragma unroll
-    for (int i = 0; i < N; i++) out[i] = to_f32(pk.v[i]);
-}
-
-template <class T, int N> __device__ __forceinline__ void store_from_f32(T *p, const float (&in)[N]) {
-    Pack<T, N> pk;
-#pragma unroll
-    for (int i = 0; i < N; i++) pk.v[i] = from_f32<T>(in[i]);
-    *reinterpret_cast<Pack<T, N> *>(p) = pk;
-}
-
-/* Weights are read once per forward: keep them out of L1 so the activations that are re-read stay. */
-template <class T, int N> __device__ __forceinline__ Pack<T, N> load_stream(const T *p) {
-    if constexpr (sizeof(Pack<T, N>) == 16) {
-        uint4 u;
-        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w)
-                     : "l"(p));
-        return *reinterpret_cast<Pack<T, N> *>(&u);
-    } else {
-        return *reinterpret_cast<const Pack<T, N> *>(p);
-    }
-}
-
-/* N fp8 weights to fp32, in pairs where N is even. */
-template <int N> __device__ __forceinline__ void f8_to_f32(const Pack<F8E4M3, N> &p, float (&out)[N]) {
-    if constexpr (N % 2 == 0) {
-        const __nv_fp8x2_storage_t *q = reinterpret_cast<const __nv_fp8x2_storage_t *>(&p);
-#pragma unroll
-        for (int i = 0; i < N / 2; i++) {
-            const float2 f = f8x2_to_f32(q[i]);
-            out[2 * i] = f.x;
-            out[2 * i + 1] = f.y;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < N; i++) out[i] = to_f32(p.v[i]);
-    }
-}
 
 /* fp8 weights: the scale grids one projection reads, in the form every fp8 kernel takes (a kernel
  * parameter of its own: a field more in ProjArgs changes every 16-bit kernel's code, see gemv.cuh).
@@ -215,8 +117,8 @@ struct ScaleGrid {
 
 /* The grid of matrix `matrix` (0 gate or w, 1 up, 2 down: colibri_scale_grid_offset) with K columns for
  * a projection of ctx's (view's) experts; second: the up grid after the gate grid. Zeros where the
- * weights are not fp8. The CUDA backend takes scale_block_k 0 or a power of two from 16 on (colibri.c's
- * cuda_missing refuses the others), so that 16 consecutive weights share a scale. */
+ * weights are not fp8. The CUDA backend takes scale_block_k 0 or a power of two from 16 on (cuda_supports.h
+ * refuses the others), so that 16 consecutive weights share a scale. */
 static inline ScaleGrid colibri_cuda_scale_grid(const colibri_moe_context_t *ctx, int matrix, int32_t K) {
     const float *s = ((const struct CudaBackend *)ctx->backend)->expert_scales;
     ScaleGrid g = {};
@@ -389,11 +291,11 @@ PrefetchPlan colibri_cuda_prefetch_plan(const colibri_moe_context_t *ctx, int64_
 /* Enqueues that plan's L2 prefetch; OK doing nothing where it is empty. */
 colibri_status_t colibri_cuda_launch_prefetch(const colibri_moe_context_t *ctx, int64_t num_tokens, int32_t tile_m,
                                               cudaStream_t stream);
-/* fp8_experts.cu */
+/* sm90_fp8_experts.cu */
 /* Sets up wgmma_fp8_kernel (at init, where wgmma_ws_kernel runs): its shared memory. */
 cudaError_t colibri_cuda_fp8_setup(void);
 /* Whether ctx's fp8 weights may run on the tensor cores: b->fp8_tc, rows of multiples of 16 and scale
- * blocks the kernel folds in (wgmma_fp8.cuh, fp8_scales_fit). */
+ * blocks the kernel folds in (sm90_fp8_experts.cuh, fp8_scales_fit). */
 bool colibri_cuda_fp8_tensor_cores(const colibri_moe_context_t *ctx);
 /* The expert pass of fp8 weights over 128-row tiles (after the permutation): y [T*k, O] in bf16. */
 colibri_status_t colibri_cuda_launch_fp8_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,

@@ -1,8 +1,8 @@
 /*
  * experts.cu — the expert FFNs over tokens grouped by expert (permute.cu's tile table): setup of the
- * expert kernels, the launchers (project, project_combine) and the L2 prefetch beside the router.
- * The kernels: gemv.cuh (few tokens), mma_experts.cuh (16-64 rows), wgmma_kernel.cuh and wgmma_ws.cuh
- * (128 rows on sm_90a); experts_plan.cu picks among them. Outputs: inter [T*k, F] and y [T*k, O] in
+ * expert kernels, the dispatch of each projection to its weight dtype and activation tag, and the L2
+ * prefetch beside the router. The projections and their kernels are instantiated in instances/*.cu
+ * (experts_instances.cuh); experts_plan.cu picks the kernel. Outputs: inter [T*k, F] and y [T*k, O] in
  * the compute dtype (the weight dtype; bf16 for fp8 weights), rows in sorted order (direct mode:
  * assignment order). See docs/cuda-design.md.
  */
@@ -11,12 +11,11 @@
 
 #include <type_traits>
 
-#include "activation.cuh"
+#include "experts_instances.cuh"
 #include "experts_plan.cuh"
 #include "gemv.cuh"
-#include "mma_experts.cuh"
-#include "wgmma_kernel.cuh"
-#include "wgmma_ws.cuh"
+#include "sm80_mma_experts.cuh"
+#include "sm90_wgmma_ws_experts.cuh"
 
 #if COLIBRI_TMA
 /* Whether environment variable `name` is set to something other than "" or "0" (the switches below). */
@@ -25,6 +24,28 @@ static bool env_on(const char *name) {
     return v && v[0] && strcmp(v, "0") != 0;
 }
 #endif
+
+/* Writes 1 where the sm_90a image (and so wgmma_kernel's body) is the one this device runs. */
+__global__ void wgmma_probe_kernel(int *flag) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    *flag = 1;
+#else
+    *flag = 0;
+#endif
+}
+
+static bool wgmma_available(int device) {
+    int major = 0, optin = 0, flag = 0, *d_flag = NULL;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9 ||
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        optin < WG_SMEM_BYTES || cudaMalloc(&d_flag, sizeof(int)) != cudaSuccess)
+        return false;
+    wgmma_probe_kernel<<<1, 1>>>(d_flag);
+    (void)cudaGetLastError(); /* a probe that could not launch leaves flag unread: no wgmma */
+    const bool ok = cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && flag == 1;
+    cudaFree(d_flag);
+    return ok;
+}
 
 /* The BK=64 kernels take up to 3 * 288 rows * 128 bytes of shared memory per block: more than devices
  * with about 100 KB per block (sm_86, sm_89) allow; those keep BK=32 everywhere. */
@@ -37,9 +58,9 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     cudaError_t kernel_setup = cudaSuccess;
     colibri_for_each_act([&](auto act) {
         using Act = decltype(act);
-        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__nv_bfloat16, Act>(w, l);
-        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<__half, Act>(w, l);
-        if (kernel_setup == cudaSuccess) kernel_setup = mma_setup_all<F8E4M3, Act>(w, l);
+        if (kernel_setup == cudaSuccess) kernel_setup = MmaSetup<__nv_bfloat16, Act>::run(w, l);
+        if (kernel_setup == cudaSuccess) kernel_setup = MmaSetup<__half, Act>::run(w, l);
+        if (kernel_setup == cudaSuccess) kernel_setup = MmaSetup<F8E4M3, Act>::run(w, l);
     });
     COLIBRI_CUDA_CHECK(kernel_setup);
     COLIBRI_CUDA_CHECK(cudaDeviceGetAttribute(&b->sm_count, cudaDevAttrMultiProcessorCount, b->device));
@@ -50,8 +71,8 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
     if (b->wgmma) {
         colibri_for_each_act([&](auto act) {
             using Act = decltype(act);
-            if (kernel_setup == cudaSuccess) kernel_setup = wgmma_setup_one<__nv_bfloat16, Act>();
-            if (kernel_setup == cudaSuccess) kernel_setup = wgmma_setup_one<__half, Act>();
+            if (kernel_setup == cudaSuccess) kernel_setup = WgmmaSetup<__nv_bfloat16, Act>::wgmma();
+            if (kernel_setup == cudaSuccess) kernel_setup = WgmmaSetup<__half, Act>::wgmma();
         });
         COLIBRI_CUDA_CHECK(kernel_setup);
 #if COLIBRI_TMA
@@ -62,8 +83,8 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         bool ws_ok = b->tma_encode != NULL;
         colibri_for_each_act([&](auto act) {
             using Act = decltype(act);
-            if (ws_ok) ws_ok = wgmma_ws_setup_one<__nv_bfloat16, Act>(&clusters) == cudaSuccess;
-            if (ws_ok) ws_ok = wgmma_ws_setup_one<__half, Act>(&clusters) == cudaSuccess;
+            if (ws_ok) ws_ok = WgmmaSetup<__nv_bfloat16, Act>::ws(&clusters) == cudaSuccess;
+            if (ws_ok) ws_ok = WgmmaSetup<__half, Act>::ws(&clusters) == cudaSuccess;
         });
         if (b->tma_encode && !ws_ok) {
             (void)cudaGetLastError();
@@ -80,15 +101,15 @@ colibri_status_t colibri_cuda_experts_setup(CudaBackend *b) {
         using Act = decltype(act);
         const bool oai = std::is_same<Act, ActOai>::value; /* the plan reads one GLU entry: ActSilu's */
         for (int lk = 0; lk < 2 && !oai; lk++) {
-            b->mma16_blocks_per_sm[Act::glu][0][lk] = mma16_blocks_per_sm<Act, MMA_BN>(w, lk && l);
-            b->mma16_blocks_per_sm[Act::glu][1][lk] = mma16_blocks_per_sm<Act, MMA_NARROW_BN>(w, lk && l);
+            b->mma16_blocks_per_sm[Act::glu][0][lk] = Mma16Occupancy<Act, MMA_BN>::blocks_per_sm(w, lk && l);
+            b->mma16_blocks_per_sm[Act::glu][1][lk] = Mma16Occupancy<Act, MMA_NARROW_BN>::blocks_per_sm(w, lk && l);
         }
     });
     return COLIBRI_OK;
 }
 
 #if COLIBRI_TMA
-/* Whether the tensor maps of every projection wgmma_ws_kernel would run encode (project()'s arguments) */
+/* Whether the tensor maps of every projection wgmma_ws_kernel would run encode (ExpertProjection's arguments) */
 template <class TW> static bool ws_maps_encode(const colibri_moe_context_t *ctx, const CudaBackend *b) {
     const colibri_moe_config_t *c = &ctx->cfg;
     const int32_t H = c->hidden_size, F = c->intermediate_size;
@@ -112,7 +133,7 @@ template <class TW> static bool ws_maps_encode(const colibri_moe_context_t *ctx,
 
 /* An expert's last rows fold into its last whole tile (permute_scan's absorb) only where every projection of
  * 128-row tiles will run wgmma_ws_kernel, the one kernel that multiplies them: 16-bit weights, the map
- * encoder, and this context's tensor maps encoding (checked once here, so that project() never meets a
+ * encoder, and this context's tensor maps encoding (checked once here, so that ExpertProjection never meets a
  * folded table it cannot run; it refuses one rather than drop rows). */
 void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBackend *b) {
     b->ws_fold = 0;
@@ -128,120 +149,6 @@ void colibri_cuda_experts_fold_setup(const colibri_moe_context_t *ctx, CudaBacke
 #endif
 }
 
-/* One projection over the tile table (or, direct_ids given, over the distinct experts of those ids):
- * x rows -> out [positions, n] (compute dtype), weights at byte offset `first` (and `first + second` for
- * the up matrix of a GLU) inside each expert, `matrix` their index in an expert (colibri_scale_grid_offset:
- * fp8 weights' scales). `bookkeeping`: this projection keeps the direct mode's counters. */
-template <class TW, class TX, class Act>
-static cudaError_t project(const colibri_moe_context_t *ctx, int64_t assignments, int32_t tile_m, size_t first,
-                           size_t second, int matrix, int32_t n, int32_t k, const void *x, const int32_t *row_map,
-                           void *out, bool x_aligned, const int32_t *direct_ids, bool bookkeeping,
-                           cudaStream_t stream) {
-    constexpr bool f8 = std::is_same<TW, F8E4M3>::value;
-    const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    const int64_t active = assignments < ctx->cfg.num_experts ? assignments : ctx->cfg.num_experts;
-    int64_t slots = assignments / tile_m + active;
-    ProjArgs a = {};
-    a.w = b->d_weights + first;
-    a.w_expert_stride = b->expert_stride;
-    a.w_second = second;
-    a.n = n;
-    a.k = k;
-    a.x = x;
-    a.row_map = row_map;
-    a.row_div = ctx->cfg.top_k;
-    a.out = out;
-    a.tiles = b->tiles;
-    a.num_tiles = b->num_tiles;
-    a.sched = b->ws_sched + (row_map ? 0 : 2);
-    /* a GLU is a first projection: its gate and up biases (the output biases are combine.cu's) */
-    a.bias = Act::glu ? b->expert_bias : NULL;
-    a.bias_stride = ctx->bias_numel;
-    a.act_alpha = ctx->cfg.activation_alpha;
-    a.act_limit = ctx->cfg.activation_limit;
-    if (direct_ids) {
-        /* positions are assignment indices: x row t = position / k for the first projection, which reads
-         * the tokens (row_map given), the position itself for the second, which reads inter */
-        a.row_div = row_map ? ctx->cfg.top_k : 1;
-        a.tiles = NULL;
-        a.num_tiles = NULL;
-        a.row_map = NULL;
-        a.ids = direct_ids;
-        a.num_ids = (int32_t)assignments;
-        a.num_experts = ctx->cfg.num_experts;
-        a.totals = bookkeeping ? b->totals : NULL;
-        a.bad_id = bookkeeping ? b->bad_id : NULL;
-        a.early = !bookkeeping;
-        slots = active;
-    }
-    if (tile_m <= GEMV_GROUP) {
-        const size_t row_bytes = (size_t)k * sizeof(TW) * (Act::glu ? 2 : 1);
-        const int row_blocks = plan_gemv_row_blocks(b, direct_ids != NULL, row_bytes, slots);
-        /* 16-byte loads: 16 fp8 weights, else 8 elements or more */
-        const bool vec = k % (f8 ? 16 : 8) == 0 && x_aligned;
-        return gemv_launch<TW, TX, compute_t<TW>, Act>(a, slots, tile_m, vec, row_blocks,
-                                                       colibri_cuda_scale_grid(ctx, matrix, k), stream);
-    }
-    if constexpr (sizeof(TW) == 2 && std::is_same<TW, TX>::value) {
-#if COLIBRI_TMA
-        /* a GLU: the map takes the up matrix as the gate matrix's next n rows */
-        CUtensorMap map;
-        if (tile_m == WG_BM && b->tma_encode && (!Act::glu || second == (size_t)n * k * sizeof(TW)) &&
-            ws_tensor_map<TW, Act::glu>(b->tma_encode, a, ctx->cfg.num_experts, &map)) {
-            const int clusters = plan_ws_clusters(b, &ctx->cfg, assignments);
-            const int32_t chain = plan_ws_chain(ctx, direct_ids != NULL, clusters);
-            if (chain > 0) {
-                a.ready = b->ws_ready;
-                a.ready_need = Act::glu ? 0 : chain;
-            }
-            const bool drain = plan_ws_drain(&ctx->cfg, assignments, k);
-            return wgmma_ws_launch<TW, Act>(map, a, slots, b->sm_count, clusters, drain, stream);
-        }
-        /* the tile table may hold extra rows (colibri_cuda_experts_absorb) that only wgmma_ws_kernel computes */
-        if (!direct_ids && colibri_cuda_experts_absorb(ctx, tile_m) > 0) return cudaErrorNotSupported;
-#endif
-        if (tile_m == WG_BM && b->wgmma)
-            return wgmma_launch<TW, Act>(a, slots, b->sm_count, plan_wg_streaming(&ctx->cfg, assignments), stream);
-        a.early = !bookkeeping; /* the second projection issues its first weights before its wait */
-        bool long_k, narrow;
-        plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
-        return mma_launch<TW, Act>(a, tile_m, slots, b->mma_wide_k, long_k, narrow, stream);
-    }
-    if constexpr (f8 && std::is_same<TX, __nv_bfloat16>::value) {
-        /* fp8 weights the fp8 tensor cores do not take (sm_80, scale blocks they cannot fold in): mma_kernel
-         * widens each stage's weights to bf16 times their scales (mma_experts.cuh) */
-        a.early = !bookkeeping;
-        bool long_k, narrow;
-        plan_mma_variant(b, &ctx->cfg, assignments / ctx->cfg.top_k, tile_m, Act::glu, n, k, &long_k, &narrow);
-        return mma_launch<TW, Act>(a, tile_m, slots, b->mma_wide_k, long_k, narrow,
-                                   colibri_cuda_scale_grid(ctx, matrix, k), stream);
-    }
-    return cudaErrorInvalidValue;
-}
-
-/* Direct mode's down projection with the combine folded in (gemv_combine_kernel), as a ProjArgs like
- * project()'s; plan_combine_rows sizes its blocks. */
-template <class TW, class TA>
-static cudaError_t project_combine(const colibri_moe_context_t *ctx, int64_t assignments, size_t first,
-                                   const int32_t *direct_ids, const float *topk_weights, TA *out,
-                                   cudaStream_t stream) {
-    const CudaBackend *b = (const CudaBackend *)ctx->backend;
-    const int32_t H = ctx->cfg.hidden_size, F = ctx->cfg.intermediate_size;
-    ProjArgs a = {};
-    a.w = b->d_weights + first;
-    a.w_expert_stride = b->expert_stride;
-    a.n = H;
-    a.k = F;
-    a.x = b->inter;
-    a.row_div = 1;
-    a.ids = direct_ids;
-    a.num_ids = (int32_t)assignments;
-    a.num_experts = ctx->cfg.num_experts;
-    const int rows = plan_combine_rows(b, (size_t)F * sizeof(TW), H, assignments);
-    return gemv_combine_launch<TW, TA>(a, topk_weights, ctx->cfg.top_k, rows, out, colibri_cuda_output_bias(ctx),
-                                       ctx->bias_numel, colibri_cuda_scale_grid(ctx, 2, F), stream);
-}
-
 colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, int64_t num_tokens,
                                              colibri_dtype_t act_dtype, const void *input, int32_t tile_m,
                                              const int32_t *direct_ids, const float *topk_weights, void *output,
@@ -255,7 +162,7 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
     const colibri_dtype_t out_dtype = act_dtype, compute = colibri_cuda_compute_dtype(c);
     /* the down projection of direct mode sums the top-k itself where its rows allow 16-byte loads */
     const bool fold = swiglu && direct_ids && assignments <= GEMV_COMBINE_MAX &&
-                      F % (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? 16 : 8) == 0;
+                      F % colibri_cuda_vec_multiple(c->weight_dtype) == 0;
     *combined = false;
     /* fp8 weights' tiles (experts_plan.cu chose them): the fp8 tensor cores, which quantise x themselves */
     if (tile_m > GEMV_GROUP && c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && colibri_cuda_fp8_tensor_cores(ctx))
@@ -275,19 +182,21 @@ colibri_status_t colibri_cuda_launch_experts(const colibri_moe_context_t *ctx, i
             using TX = typename decltype(tx)::type;
             colibri_dispatch_act(c, [&](auto act) {
                 using Act = decltype(act);
-                err = project<TW, TX, Act>(ctx, assignments, tile_m, 0, Act::glu ? mat : 0, 0, F, H, input, b->perm,
-                                           swiglu ? b->inter : b->y, in_aligned, direct_ids, true, stream);
+                err = ExpertProjection<TW, TX, Act>::run(ctx, assignments, tile_m, 0, Act::glu ? mat : 0, 0, F, H,
+                                                         input, b->perm, swiglu ? b->inter : b->y, in_aligned,
+                                                         direct_ids, true, stream);
             });
         });
         if (err == cudaSuccess && fold) {
             colibri_dispatch_dtype(out_dtype, [&](auto ta) {
                 using TA = typename decltype(ta)::type;
-                err = project_combine<TW, TA>(ctx, assignments, 2 * mat, direct_ids, topk_weights, (TA *)output,
-                                              stream);
+                err = ExpertCombine<TW, TA>::run(ctx, assignments, 2 * mat, direct_ids, topk_weights, (TA *)output,
+                                                 stream);
             });
         } else if (err == cudaSuccess && swiglu) {
-            err = project<TW, compute_t<TW>, ActLinear>(ctx, assignments, tile_m, 2 * mat, 0, 2, H, F, b->inter, NULL,
-                                                        b->y, true, direct_ids, false, stream);
+            err = ExpertProjection<TW, compute_t<TW>, ActLinear>::run(ctx, assignments, tile_m, 2 * mat, 0, 2, H, F,
+                                                                      b->inter, NULL, b->y, true, direct_ids, false,
+                                                                      stream);
         }
     });
     COLIBRI_CUDA_CHECK(err);

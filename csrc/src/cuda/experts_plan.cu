@@ -8,8 +8,8 @@
 
 #include "activation.cuh"
 #include "experts_plan.cuh"
-#include "mma_experts.cuh"
-#include "wgmma.cuh"
+#include "sm80_mma_experts.cuh"
+#include "sm90_wgmma.cuh"
 
 /* Whether a 16-row projection of n outputs runs the narrow kernel: when its grid over the experts
  * likely touched (top-k of num_tokens tokens spread evenly over E) ends in a clearly fuller last wave
@@ -85,7 +85,7 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
-    /* fp8 weights: the fp8 tensor cores where they take the layer (wgmma_fp8.cuh), else mma_kernel's tiles of
+    /* fp8 weights: the fp8 tensor cores where they take the layer (sm90_fp8_experts.cuh), else mma_kernel's tiles of
      * the weights widened to bf16 where rows are 16-byte multiples (bf16 x), else the gemv */
     const bool f8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3, f8_tc = f8 && colibri_cuda_fp8_tensor_cores(ctx);
     const bool tensor_cores =
@@ -125,7 +125,7 @@ bool plan_wg_streaming(const colibri_moe_config_t *c, int64_t assignments) {
     return assignments < (int64_t)WG_BM * c->num_experts;
 }
 
-/* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (wgmma_ws.cuh's
+/* Whether the 128-row tiles of a projection of `assignments` run on the cluster kernel (sm90_wgmma_ws_experts.cuh's
  * MC): where they are compute-bound and the experts have at most WS_MC_MAX_TILES tiles each; with more,
  * the one-block kernel's tiles share the weight blocks in L2 anyway and the pairs' coupling costs more. */
 #define WS_MC_MAX_TILES 2
@@ -150,7 +150,7 @@ bool plan_ws_drain(const colibri_moe_config_t *c, int64_t assignments, int32_t k
     return plan_wg_streaming(c, assignments) && k <= WS_DRAIN_MAX_K;
 }
 
-/* A SWIGLU forward's two projections chained per tile (wgmma_ws.cuh, ws_chain_wait), where both run on
+/* A SWIGLU forward's two projections chained per tile (sm90_wgmma_ws_experts.cuh, ws_chain_wait), where both run on
  * wgmma_ws_kernel (ws_fold: their maps encoded at init) and either the first projection's column blocks
  * are one group of WG_GROUP_N (F <= 2048: its items complete the tiles in order) or the cluster kernel
  * runs; on Mixtral's L2-bound one-block kernel the chain lost (docs/performance.md). */
@@ -173,7 +173,7 @@ bool colibri_cuda_experts_pairs(const colibri_moe_context_t *ctx, int64_t num_to
 #endif
 }
 
-/* Rows an expert's last whole tile may absorb (wgmma_ws.cuh's folded tiles), so that a few rows do not
+/* Rows an expert's last whole tile may absorb (sm90_wgmma_ws_experts.cuh's folded tiles), so that a few rows do not
  * cost a tile that re-reads the expert's weights. */
 int colibri_cuda_experts_absorb(const colibri_moe_context_t *ctx, int32_t tile_m) {
     return tile_m == WG_BM ? ((const CudaBackend *)ctx->backend)->ws_fold : 0;

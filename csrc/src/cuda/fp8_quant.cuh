@@ -1,5 +1,5 @@
 /*
- * fp8_quant.cuh — activations to fp8 e4m3 for the fp8 tensor-core path (wgmma_fp8.cuh), as DeepSeek's
+ * fp8_quant.cuh — activations to fp8 e4m3 for the fp8 tensor-core path (sm90_fp8_experts.cuh), as DeepSeek's
  * kernels quantise them: each row in groups of FP8_GROUP columns with one fp32 scale per group
  * (amax / 448), value = fp8 * scale. The tokens before the first projection, the bf16 intermediate
  * before the second.

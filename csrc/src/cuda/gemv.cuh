@@ -21,8 +21,8 @@
 #define GEMV_DIRECT_MAX 256  /* direct mode: at most this many assignments (one per thread of a block) */
 #define GEMV_DIRECT_MAX_E 4096 /* and this many experts (a flag per expert in shared memory) */
 
-/* One projection over expert rows, for the gemv kernel here and the tensor-core kernels (mma_experts.cuh,
- * wgmma*.cuh), which take x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
+/* One projection over expert rows, for the gemv kernel here and the tensor-core kernels (sm80_mma_experts.cuh,
+ * sm90_*.cuh), which take x and out in the weight dtype; NULL tiles and `positions` serve gemv alone. */
 struct ProjArgs {
     const char *w;            /* matrix of expert 0: [N, K] weight dtype, row-major */
     size_t w_expert_stride;   /* bytes from one expert's matrix to the next */
@@ -42,7 +42,7 @@ struct ProjArgs {
     int32_t *bad_id;            /* likewise: set when an id is out of range */
     int32_t early;              /* second projection (direct mode, tensor cores): weights loaded before the wait */
     unsigned *sched;            /* wgmma_ws_kernel: its two counters (items asked for, blocks done), 0 between launches */
-    /* wgmma_ws_kernel chained (wgmma_ws.cuh, ws_chain_wait): per tile, the first projection's items stored; the first
+    /* wgmma_ws_kernel chained (sm90_wgmma_ws_experts.cuh, ws_chain_wait): per tile, the first projection's items stored; the first
      * projection adds to it (ready_need 0), the second waits for ready_need in it before it reads a tile */
     unsigned *ready;
     int32_t ready_need;
@@ -109,7 +109,7 @@ __device__ __forceinline__ int gemv_direct_setup(const ProjArgs &a, int &expert,
 /* gemv_direct_setup for at most 32 ids, by each warp alone: no block barrier. The warp's positions go to
  * its own 32 ints of s_pos (s_pos_w); the expert and the count are those the block version finds. At
  * decode the block version's barriers and scan stood between the dependency wait and the first weight
- * load of every block (2200-3700 cycles with the ids load). */
+ * load of every block (docs/performance.md). */
 __device__ __forceinline__ int gemv_direct_setup_warp(const ProjArgs &a, int &expert, int *s_pos_w) {
     const int lane = threadIdx.x & 31, n = a.num_ids;
     int id = -1;
@@ -450,7 +450,7 @@ template <class TW, class TA>
 static cudaError_t gemv_combine_launch(const ProjArgs &a, const float *wts, int top_k, int rows, TA *out,
                                        const float *bias, int bias_stride, const ScaleGrid &g, cudaStream_t stream) {
     const dim3 grid((unsigned)((a.n + rows - 1) / rows));
-    if constexpr (std::is_same<TW, F8E4M3>::value)
+    if constexpr (is_fp8<TW>)
         return colibri_launch(gemv_combine_f8_kernel<TA, 16>, grid, GEMV_WARPS * 32, 0, stream, a, wts, top_k, rows,
                               out, bias, bias_stride, g);
     else
@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, gemv_min_blocks<GEMV_GROUP>()
 template <class TW, class TX, class TO, int VW, class Act, int MAXNT>
 static cudaError_t gemv_launch_one(const ProjArgs &a, dim3 grid, size_t smem, const ScaleGrid &g,
                                    cudaStream_t stream) {
-    if constexpr (std::is_same<TW, F8E4M3>::value)
+    if constexpr (is_fp8<TW>)
         return colibri_launch(gemv_f8_kernel<TX, TO, VW, Act, MAXNT>, grid, GEMV_WARPS * 32, smem, stream, a, g);
     else
         return colibri_launch(gemv_kernel<TW, TX, TO, VW, Act, MAXNT>, grid, GEMV_WARPS * 32, smem, stream, a);

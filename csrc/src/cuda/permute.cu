@@ -14,8 +14,8 @@
 /* Below this, one block permutes faster than the two multi-block launches (docs/performance.md). */
 #define PERMUTE_MULTI_MIN 4096
 
-/* The expert projection may launch once the tile table is written rather than at the start, which ended
- * it 1.7-3.1 us sooner at T = 256; it still waits for this kernel's end before it reads anything. */
+/* The expert projection may launch once the tile table is written rather than at the start, which ends
+ * it sooner (docs/performance.md); it still waits for this kernel's end before it reads anything. */
 __global__ void permute_kernel(const int32_t *ids, int n, int E, int tile_m, PermuteArgs o) {
     pdl_wait();
     extern __shared__ int smem[];

@@ -10,7 +10,7 @@
 #include <math.h>
 
 #include "gemv.cuh"
-#include "mma.cuh"
+#include "sm80_mma.cuh"
 #include "permute.cuh"
 #include "routing.h"
 
@@ -96,8 +96,8 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
 
-    /* LIMITED (a group limit) is a variant of its own: with the test per expert in every layer's picks,
-     * E = 256, k = 8 forwards at T = 16 took 3 us more on an H100 (115.0 -> 118.4-118.7 us) */
+    /* LIMITED (a group limit) is a variant of its own: the test per expert in every layer's picks
+     * slowed layers without a group limit (docs/performance.md, "Measurements behind the code") */
     const unsigned kept = LIMITED ? topk_kept_groups(l, p, lane) : ~0u;
     const int gsize = LIMITED ? E / p.n_group : 1;
     int32_t *ids_t = p.ids + (size_t)t * k;
@@ -145,9 +145,9 @@ __device__ __forceinline__ unsigned topk_key(float s) {
  * redux.sync and the lowest id holding it with a ballot (ids lane < lane + 32, so the first half is
  * asked first); the winner's key drops to 0. r0 / r1: the pick index of the lane's two experts, E if
  * not picked. The same ids in the same order as topk_token_picks (ranks_before's order), and the
- * weights formed by the same operations in the same order: the same bits. A loop of 32 shuffle rounds
- * ranking every expert against all E took 3500-3950 cycles of the forward's critical path (clock64 in
- * the route kernel's last block); these rounds are a few warp operations each. */
+ * weights formed by the same operations in the same order: the same bits. These rounds are a few warp
+ * operations each, where ranking every expert against all E in 32 shuffle rounds sat on the forward's
+ * critical path (docs/performance.md). */
 __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
@@ -214,9 +214,8 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 }
 
 /* One warp, one token: ids and weights of its top-k (topk_token_rank where E allows, else the picks).
- * Not inlined: with the earlier 32-round rank loop that was 1.3-4.5 us faster per decode forward than
- * inlined, and the route kernels' register allocation changes with it. Where its time goes at decode
- * (clock64): mostly the fetch of its instructions, which run once per forward. */
+ * Not inlined: it was faster at decode so (docs/performance.md), and the route kernels' register
+ * allocation changes with it; its time there is mostly the fetch of instructions that run once. */
 static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
     else if (p.n_group > 1) topk_token_picks<true>(l, p, t, lane);
@@ -261,8 +260,8 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
  * float4 reads of the expert rows hit distinct banks and those of the token rows are broadcasts.
  * Every output is one fp32 FMA chain along its K range (fixed order: bitwise repeatable). Split 0
  * writes the logits, split s > 0 part[s - 1]. Rows are read 4 elements at a time: H % 4 == 0 and x
- * 16-byte aligned. It runs at about a third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048); 8 x 8
- * outputs per thread, which halve the shared-memory reads per FMA, were no faster. */
+ * 16-byte aligned. It runs at about a third of the FMA rate; 8 x 8 outputs per thread, which halve the
+ * shared-memory reads per FMA, were no faster (docs/performance.md). */
 #define ROUTE_BK 32
 #define ROUTE_LD (ROUTE_BK + 4) /* row stride of a shared slice: consecutive rows 4 banks apart */
 #define ROUTE_GEMM_THREADS 256
@@ -396,10 +395,9 @@ static RouteGemmPlan route_gemm_plan(int sm_count, int64_t T, int E, int H) {
 }
 
 /* Split of the router gemv (launch_logits) for T tokens. The gemv runs a block per GEMV_GROUP tokens and
- * GEMV_WARPS experts, T/8 x E/8 blocks, which below about a thousand tokens leave most of the 132 SMs
- * of an H200 idle while each warp walks its whole row, one chunk of loads in flight after another
- * (ncu, H200, unsplit: Mixtral, E = 8, H = 4096, at T = 64 ran 8 blocks for 12.7 us; Qwen, E = 60,
- * H = 2048, at T = 16 16 blocks for 8.4 us; DeepSeek, E = 64, H = 2048, at T = 256 10.6 us). So H is
+ * GEMV_WARPS experts, T/8 x E/8 blocks, which below about a thousand tokens leave most of the SMs idle
+ * while each warp walks its whole row, one chunk of loads in flight after another (docs/performance.md
+ * has the profile). So H is
  * split into as many ranges as bring the grid to about ROUTE_GEMV_BLOCKS_PER_SM blocks per SM (the
  * gemv's launch bound, and all that its 125 to 128 registers leave resident: more blocks would queue
  * as a second wave as long as the first), at most ROUTE_GEMM_MAX_SPLITS, each range whole warp steps
@@ -459,8 +457,8 @@ size_t colibri_cuda_route_part_floats(const colibri_moe_context_t *ctx, int sm_c
  * and the small parts), added at the end: three products per MAC at the tensor rate instead of one fp32
  * FMA. A router that is bf16 upcast (mid and lo all 0, found at init) takes one part: PARTS = 1. The
  * tensor cores' fp32 sums round otherwise than an FMA chain does, so a near tie may pick another id than
- * route_gemm_kernel would; like it, bitwise repeatable (fixed order everywhere). The SIMT kernel ran at a
- * third of the FMA rate (48.8 us at T = 4096, E = 64, H = 2048). 128 threads: 2 x 2 warps of
+ * route_gemm_kernel would; like it, bitwise repeatable (fixed order everywhere). The SIMT kernel runs at a
+ * third of the FMA rate. 128 threads: 2 x 2 warps of
  * 32 tokens x 32 experts, x and the router parts staged by cp.async in RMMA_STAGES stages of RMMA_BK
  * elements, swizzled as mma_kernel's (the same fragments). */
 #define RMMA_BK 32

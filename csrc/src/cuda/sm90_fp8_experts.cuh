@@ -1,15 +1,15 @@
 /*
- * wgmma_fp8.cuh — wgmma_fp8_kernel, the fp8 e4m3 expert projection on Hopper tensor cores (sm_90a, CUDA 12
- * tensor maps): 128-row tiles of permute.cu's table, activations quantised per row and 128 columns
- * (fp8_quant.cuh), weights with fp32 block, channel or tensor scales (colibri.h). Its tensor map and
- * launch too. The design follows wgmma_ws_kernel (docs/cuda-design.md): a producer warpgroup fills a ring
+ * sm90_fp8_experts.cuh — wgmma_fp8_kernel, the fp8 e4m3 expert projection on Hopper tensor cores (sm_90a,
+ * CUDA 12 tensor maps): 128-row tiles of permute.cu's table, activations quantised per row and 128
+ * columns (fp8_quant.cuh), weights with fp32 block, channel or tensor scales (colibri.h). Its tensor map
+ * and launch too. The design follows wgmma_ws_kernel (docs/cuda-design.md): a producer warpgroup fills a ring
  * (weights by TMA, token rows gathered by cp.async), two consumer warpgroups multiply and store.
  */
-#ifndef COLIBRI_CUDA_WGMMA_FP8_CUH
-#define COLIBRI_CUDA_WGMMA_FP8_CUH
+#ifndef COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
+#define COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
 
 #include "fp8_quant.cuh"
-#include "wgmma_ws.cuh"
+#include "sm90_wgmma_ws_experts.cuh"
 
 /* A stage is one 128-column scale group of k: 128 token rows and 128 weight rows of 128 bytes, the rows of
  * the 128-byte swizzle as the bf16 kernels lay them out (a k step of 32 fp8 is 32 bytes of a row, as 16
@@ -317,4 +317,4 @@ static cudaError_t wgmma_fp8_launch(const CUtensorMap &map, const Fp8ProjArgs &a
 }
 #endif /* COLIBRI_TMA */
 
-#endif /* COLIBRI_CUDA_WGMMA_FP8_CUH */
+#endif /* COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH */

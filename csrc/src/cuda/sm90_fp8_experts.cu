@@ -1,10 +1,10 @@
 /*
- * fp8_experts.cu — the fp8 expert pass on Hopper tensor cores, for tiles of 128 rows (experts_plan.cu
+ * sm90_fp8_experts.cu — the fp8 expert pass on Hopper tensor cores, for tiles of 128 rows (experts_plan.cu
  * chooses it): the tokens quantised to fp8 per 128 columns (fp8_quant.cuh), the first projection by
  * wgmma_fp8_kernel into bf16 inter (SWIGLU) or y (LINEAR), then for SWIGLU inter quantised and the down
  * projection into bf16 y, which combine.cu sums as for bf16 weights. docs/cuda-design.md ("fp8 weights").
  */
-#include "wgmma_fp8.cuh"
+#include "sm90_fp8_experts.cuh"
 
 cudaError_t colibri_cuda_fp8_setup(void) {
 #if COLIBRI_TMA

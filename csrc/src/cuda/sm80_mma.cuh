@@ -1,10 +1,10 @@
 /*
- * mma.cuh — the pieces of the tensor-core tiles shared by the expert kernels (mma_experts.cuh,
- * wgmma*.cuh) and route.cu (route_mma_kernel): the XOR-swizzled shared-memory rows, cp.async, ldmatrix,
- * mma.sync m16n8k16, the epilogue's packing.
+ * sm80_mma.cuh — tensor-core pieces for sm_80 on (bf16 and fp16 operands), shared by the expert kernels
+ * (sm80_mma_experts.cuh, sm90_*.cuh) and route.cu (route_mma_kernel): the XOR-swizzled shared-memory
+ * rows, cp.async, ldmatrix, mma.sync m16n8k16, the epilogue's packing.
  */
-#ifndef COLIBRI_CUDA_MMA_CUH
-#define COLIBRI_CUDA_MMA_CUH
+#ifndef COLIBRI_CUDA_SM80_MMA_CUH
+#define COLIBRI_CUDA_SM80_MMA_CUH
 
 #include "cuda_backend.cuh"
 

@@ -1,14 +1,15 @@
 /*
- * wgmma_ws.cuh — wgmma_ws_kernel, the warp-specialised 128-row expert tiles on Hopper (sm_90a, CUDA 12
- * tensor maps): a producer warpgroup loads a 4-slot ring by TMA and cp.async, two consumer warpgroups
+ * sm90_wgmma_ws_experts.cuh — wgmma_ws_kernel, the warp-specialised 128-row expert tiles of bf16 and fp16
+ * weights on Hopper (sm_90a, CUDA 12 tensor maps): a producer warpgroup loads a 4-slot ring by TMA and
+ * cp.async, two consumer warpgroups
  * multiply and store; optional cluster multicast, folded tiles and chained projections. Its tensor
  * maps, setup and launch too. docs/cuda-design.md explains it.
  */
-#ifndef COLIBRI_CUDA_WGMMA_WS_CUH
-#define COLIBRI_CUDA_WGMMA_WS_CUH
+#ifndef COLIBRI_CUDA_SM90_WGMMA_WS_EXPERTS_CUH
+#define COLIBRI_CUDA_SM90_WGMMA_WS_EXPERTS_CUH
 
 #include "gemv.cuh"
-#include "wgmma.cuh"
+#include "sm90_wgmma.cuh"
 
 #if COLIBRI_TMA
 /* ---- Warp-specialised: a producer warpgroup loads, two consumer warpgroups multiply ----
@@ -673,4 +674,4 @@ static cudaError_t wgmma_ws_launch(const CUtensorMap &map, const ProjArgs &a, in
 }
 #endif /* COLIBRI_TMA */
 
-#endif /* COLIBRI_CUDA_WGMMA_WS_CUH */
+#endif /* COLIBRI_CUDA_SM90_WGMMA_WS_EXPERTS_CUH */

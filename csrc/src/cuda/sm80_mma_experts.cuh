@@ -1,15 +1,16 @@
 /*
- * mma_experts.cuh — the expert tiles of 16-128 rows on mma.sync (sm_80 on): mma_kernel, the tile
+ * sm80_mma_experts.cuh — the expert tiles of 16-128 rows on mma.sync (sm_80 on; bf16 and fp16 weights,
+ * and fp8 weights widened to bf16): mma_kernel, the tile
  * shapes it is built in (BK, stages, shared memory per block) and its setup and launch. experts.cu
  * launches it; experts_plan.cu reads its tile shapes. fp8 weights (mma_kernel given a ScaleGrid): each
  * stage's e4m3 rows land in the first half of their bf16 region and are widened there, times their
  * scales, before the products (mma_f8_widen). See docs/cuda-design.md.
  */
-#ifndef COLIBRI_CUDA_MMA_EXPERTS_CUH
-#define COLIBRI_CUDA_MMA_EXPERTS_CUH
+#ifndef COLIBRI_CUDA_SM80_MMA_EXPERTS_CUH
+#define COLIBRI_CUDA_SM80_MMA_EXPERTS_CUH
 
 #include "gemv.cuh"
-#include "mma.cuh"
+#include "sm80_mma.cuh"
 
 #define MMA_BN 128
 /* Shared memory one block may take so that two fit on an H200 SM (228 KB, 1 KB reserved per block). */
@@ -106,7 +107,7 @@ template <class T> struct MmaWeight<T, ScaleGrid> { using type = F8E4M3; };
 template <class T, int BM, class Act, int BK, int BN = MMA_BN, class... S>
 __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a, S... scales) {
     using TW = typename MmaWeight<T, S...>::type;
-    constexpr bool F8 = std::is_same<TW, F8E4M3>::value;
+    constexpr bool F8 = is_fp8<TW>;
     constexpr int THREADS = 2 * BN;
     constexpr int WARPS_M = mma_warps_m<BM>(), WARPS_N = THREADS / 32 / WARPS_M;
     constexpr int WTM = BM / WARPS_M, WTN = BN / WARPS_N, MI = WTM / 16, NI = WTN / 8;
@@ -274,7 +275,7 @@ __global__ void __launch_bounds__(2 * BN) mma_kernel(ProjArgs a, S... scales) {
 
 /* Sets the dynamic shared memory of mma_kernel of T, or of its fp8 variant for T = F8E4M3. */
 template <class T, int BM, class Act, int BK, int BN = MMA_BN> static cudaError_t mma_setup_one() {
-    if constexpr (std::is_same<T, F8E4M3>::value)
+    if constexpr (is_fp8<T>)
         return cudaFuncSetAttribute(mma_kernel<__nv_bfloat16, BM, Act, BK, BN, ScaleGrid>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)mma_smem_bytes<BM, Act, BK, BN>());
     else
@@ -319,7 +320,7 @@ template <int BM, class Act, int BN> static int mma_pick_bk(bool wide_k, bool lo
 /* mma_kernel of T, or its fp8 variant (bf16 x and out) with the scales g for T = F8E4M3 */
 template <class T, int BM, class Act, int BK, int BN>
 static cudaError_t mma_launch_one(const ProjArgs &a, dim3 grid, const ScaleGrid &g, cudaStream_t stream) {
-    if constexpr (std::is_same<T, F8E4M3>::value)
+    if constexpr (is_fp8<T>)
         return colibri_launch(mma_kernel<__nv_bfloat16, BM, Act, BK, BN, ScaleGrid>, grid, dim3(2 * BN), mma_smem_bytes<BM, Act, BK, BN>(),
                               stream, a, g);
     else
@@ -376,4 +377,4 @@ template <class Act, int BN> static int mma16_blocks_per_sm(bool wide_k, bool lo
     return mma16_occupancy<Act, 32, BN>();
 }
 
-#endif /* COLIBRI_CUDA_MMA_EXPERTS_CUH */
+#endif /* COLIBRI_CUDA_SM80_MMA_EXPERTS_CUH */

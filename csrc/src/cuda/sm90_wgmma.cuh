@@ -1,18 +1,19 @@
 /*
- * wgmma.cuh — the pieces both Hopper (sm_90a) expert kernels share: the 128-row tile's shape, the
- * shared-memory descriptors and m64n256k16 products, the epilogue's staging through stmatrix, and the
- * order of the work items. The kernels: wgmma_kernel.cuh and wgmma_ws.cuh.
+ * sm90_wgmma.cuh — the pieces the Hopper (sm_90a) expert kernels share: the 128-row tile's shape, the
+ * shared-memory descriptors and bf16/fp16 m64n256k16 products, the epilogue's staging through stmatrix,
+ * and the order of the work items. The kernels: sm90_wgmma_experts.cuh, sm90_wgmma_ws_experts.cuh (and
+ * sm90_fp8_experts.cuh, which takes the tile order and descriptors).
  */
-#ifndef COLIBRI_CUDA_WGMMA_CUH
-#define COLIBRI_CUDA_WGMMA_CUH
+#ifndef COLIBRI_CUDA_SM90_WGMMA_CUH
+#define COLIBRI_CUDA_SM90_WGMMA_CUH
 
 #include <type_traits>
 
 #include "activation.cuh"
 #include "gemv.cuh"
-#include "mma.cuh"
+#include "sm80_mma.cuh"
 
-/* wgmma_ws_kernel (wgmma_ws.cuh) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
+/* wgmma_ws_kernel (sm90_wgmma_ws_experts.cuh) needs CUDA 12's tensor maps; with an older toolkit (CUDA 11.8 stacks, which
  * build no sm_90a image anyway) it is left out. */
 #if CUDART_VERSION >= 12000
 #include <cuda.h>
@@ -212,4 +213,4 @@ __device__ __forceinline__ void wg_products(const ExpertTile &tile, int wg, floa
     else k_loop(std::false_type{});
 }
 
-#endif /* COLIBRI_CUDA_WGMMA_CUH */
+#endif /* COLIBRI_CUDA_SM90_WGMMA_CUH */

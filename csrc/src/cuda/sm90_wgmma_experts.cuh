@@ -1,14 +1,14 @@
 /*
- * wgmma_kernel.cuh — wgmma_kernel, the 128-row expert tiles on Hopper (sm_90a) where every thread both
- * loads and multiplies: for CUDA 11.8 builds and drivers without the tensor-map encoder (else
- * wgmma_ws.cuh runs). Used in place of mma_kernel where the sm_90a image runs (mma.sync tops out near
- * 290 TFLOP/s there: its operands go through registers).
+ * sm90_wgmma_experts.cuh — wgmma_kernel, the 128-row expert tiles of bf16 and fp16 weights on Hopper
+ * (sm_90a) where every thread both loads and multiplies: for drivers without the tensor-map encoder
+ * (else sm90_wgmma_ws_experts.cuh runs). Used in place of mma_kernel where the sm_90a image runs, since
+ * mma.sync's operands go through registers there (docs/performance.md has the rates).
  */
-#ifndef COLIBRI_CUDA_WGMMA_KERNEL_CUH
-#define COLIBRI_CUDA_WGMMA_KERNEL_CUH
+#ifndef COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH
+#define COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH
 
 #include "gemv.cuh"
-#include "wgmma.cuh"
+#include "sm90_wgmma.cuh"
 
 /* Persistent: block b computes items b, b + gridDim.x, ...; the cp.async ring runs on across items,
  * so the next item's first stages load while this one's last products and epilogue run.
@@ -174,28 +174,6 @@ __global__ void __launch_bounds__(WG_THREADS, 1) wgmma_kernel(ProjArgs a) {
 #endif
 }
 
-/* Writes 1 where the sm_90a image (and so wgmma_kernel's body) is the one this device runs. */
-__global__ void wgmma_probe_kernel(int *flag) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    *flag = 1;
-#else
-    *flag = 0;
-#endif
-}
-
-static bool wgmma_available(int device) {
-    int major = 0, optin = 0, flag = 0, *d_flag = NULL;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major != 9 ||
-        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        optin < WG_SMEM_BYTES || cudaMalloc(&d_flag, sizeof(int)) != cudaSuccess)
-        return false;
-    wgmma_probe_kernel<<<1, 1>>>(d_flag);
-    (void)cudaGetLastError(); /* a probe that could not launch leaves flag unread: no wgmma */
-    const bool ok = cudaMemcpy(&flag, d_flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && flag == 1;
-    cudaFree(d_flag);
-    return ok;
-}
-
 template <class T, class Act> static cudaError_t wgmma_setup_one() {
     cudaError_t e = cudaFuncSetAttribute(wgmma_kernel<T, Act, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          WG_SMEM_BYTES);
@@ -214,4 +192,4 @@ static cudaError_t wgmma_launch(const ProjArgs &a, int64_t slots, int sms, bool 
     return colibri_launch(wgmma_kernel<T, Act, 2>, grid, dim3(WG_THREADS), WG_SMEM_BYTES, stream, a);
 }
 
-#endif /* COLIBRI_CUDA_WGMMA_KERNEL_CUH */
+#endif /* COLIBRI_CUDA_SM90_WGMMA_EXPERTS_CUH */

@@ -1,0 +1,17 @@
+/* experts_f32.cu — the expert kernels of fp32 weights with every activation tag (the gemv only: the tensor
+ * cores take 16-bit or fp8 weights); one compilation unit of experts_project.cuh (experts_instances.cuh
+ * says why). */
+#include "../experts_project.cuh"
+
+template struct ExpertProjection<float, float, ActLinear>;
+template struct ExpertProjection<float, __half, ActLinear>;
+template struct ExpertProjection<float, __nv_bfloat16, ActLinear>;
+template struct ExpertProjection<float, float, ActSilu>;
+template struct ExpertProjection<float, __half, ActSilu>;
+template struct ExpertProjection<float, __nv_bfloat16, ActSilu>;
+template struct ExpertProjection<float, float, ActOai>;
+template struct ExpertProjection<float, __half, ActOai>;
+template struct ExpertProjection<float, __nv_bfloat16, ActOai>;
+template struct ExpertCombine<float, float>;
+template struct ExpertCombine<float, __half>;
+template struct ExpertCombine<float, __nv_bfloat16>;
