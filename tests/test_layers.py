@@ -3,6 +3,8 @@ The folder's rules (colibri.model_folder), the memory check before loading (coli
 grouping a batch by the requests' `layer` (fake backend, exact batches), and a real tritonserver
 serving a folder of three layers, its answers compared with each layer computed alone."""
 import concurrent.futures
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -177,7 +179,7 @@ def test_model_py_refuses_layers_that_do_not_fit(folder, monkeypatch):
 
 
 def test_serve_refuses_a_folder_that_does_not_fit_in_one_line(folder):
-    env = {**__import__("os").environ, memory.AVAILABLE_OVERRIDE: "1000000"}
+    env = {**os.environ, memory.AVAILABLE_OVERRIDE: "1000000"}
     result = subprocess.run([sys.executable, "-m", "colibri", "serve", "--weights", str(folder), "--device", "cpu",
                              "--probe-interval", "0"], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2, result.stdout + result.stderr
@@ -234,7 +236,7 @@ def test_each_served_layer_answers_as_alone(server, alone, rng):
         for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
             x = rng.standard_normal((int(rng.integers(1, 9)), H)).astype(np.float32)
             assert_layer_answer(infer(url, x, n, protocol), alone, n, x)
-    config = __import__("json").loads(server.get(f"http://{server.http_url}/v2/models/colibri_moe/config"))
+    config = json.loads(server.get(f"http://{server.http_url}/v2/models/colibri_moe/config"))
     assert config["parameters"]["COLIBRI_LAYERS"]["string_value"] == "0,2,5"
     assert {t["name"]: t["dims"] for t in config["input"]}["layer"] == [1]
 
@@ -285,3 +287,18 @@ def test_the_probe_and_the_clients_name_a_layer(server, folder, rng):
                                  str(folder), "--layer", "5", "--tokens", "3"], capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == "PASS", result.stdout + result.stderr
+
+
+@needs_server
+def test_the_load_test_names_a_layer(server, tmp_path):
+    """LOADTEST_LAYER (the locustfile's --layer) makes every request name it: without it, each would be
+    refused by a server of a folder of layers."""
+    out = tmp_path / "loadtest"
+    env = {**os.environ, "LOADTEST_LAYER": "5"}
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "loadtest" / "run.py"), "--host", f"http://{server.http_url}", "--grpc-url",
+         server.grpc_url, "--mix", "decode:1,prefill:1", "--prefill-tokens", "2-8", "--users", "2", "--time", "4s",
+         "--out", str(out)], capture_output=True, text=True, timeout=55, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    total = json.loads((out / "summary.json").read_text())["total"]
+    assert total["requests"] > 0 and total["failures"] == 0, total
