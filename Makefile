@@ -215,7 +215,8 @@ fuzz: build-fuzz/fuzz_moe
 	  build-fuzz/corpus > build-fuzz/fuzz.log 2>&1 || { tail -60 build-fuzz/fuzz.log; exit 1; }
 	@grep -E "^INFO: Loaded|^#[0-9]+ +DONE|^stat::number_of_executed" build-fuzz/fuzz.log
 
-# make serve WEIGHTS=layer0.colibri.safetensors DEVICE=gpu DTYPE=bf16 HTTP_PORT=9000 ... ; any other
+# make serve WEIGHTS=layer0.colibri.safetensors DEVICE=gpu DTYPE=bf16 HTTP_PORT=9000 ... (WEIGHTS=DIR: every
+# layer{N}.colibri.safetensors of a folder, as `pack --layer all` writes it); any other
 # launcher option (`$(PY) -m colibri serve --help`) through SERVE_ARGS="--instances 2".
 SERVE_OPTS = $(if $(WEIGHTS),--weights $(WEIGHTS)) $(if $(DEVICE),--device $(DEVICE)) $(if $(DTYPE),--dtype $(DTYPE)) \
              $(if $(BIND),--host $(BIND)) $(if $(HTTP_PORT),--http-port $(HTTP_PORT)) $(if $(GRPC_PORT),--grpc-port $(GRPC_PORT)) \

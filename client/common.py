@@ -48,6 +48,9 @@ def parser(description: str, default_url: str) -> argparse.ArgumentParser:
                         "weights.colibri.safetensors)")
     p.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="fp32",
                    help="activation dtype the server was started with (serve --dtype)")
+    p.add_argument("--layer", type=int, default=None, metavar="N",
+                   help="the layer to ask for, for a server whose --weights is a folder of layer{N} files: sent "
+                        "as input `layer`, and checked against --weights' layerN.colibri.safetensors")
     p.add_argument("--tokens", type=int, default=7, help="tokens per request")
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -93,20 +96,31 @@ class Layer:
         return reference.checkpoint_forward(self.ckpt, x.astype(np.float64), ids, weights)
 
 
-def requests(layer: Layer, tokens: int, dtype: str, seed: int):
-    """(case name, inputs, expected output) for each case the clients check."""
+def requests(layer: Layer, tokens: int, dtype: str, seed: int, number=None):
+    """(case name, inputs, expected output) for each case the clients check; with a layer number, each
+    request names it (input `layer`, the number on each of its rows)."""
     datatype = WIRE_DTYPES[dtype][0]
     rng = np.random.default_rng(seed)
+    named = [] if number is None else [("layer", np.full((tokens, 1), number, np.int32), "INT32")]
     cases = []
     if layer.router is not None:
         x = layer.hidden_states(tokens, rng, dtype)
-        cases.append(("router routing", [("hidden_states", x, datatype)], layer.expected(x)))
+        cases.append(("router routing", [("hidden_states", x, datatype)] + named, layer.expected(x)))
     x = layer.hidden_states(tokens, rng, dtype)
     ids, weights = layer.routing(tokens, rng)
     cases.append(("explicit routing",
-                  [("hidden_states", x, datatype), ("topk_ids", ids, "INT32"), ("topk_weights", weights, "FP32")],
-                  layer.expected(x, ids, weights)))
+                  [("hidden_states", x, datatype), ("topk_ids", ids, "INT32"), ("topk_weights", weights, "FP32")]
+                  + named, layer.expected(x, ids, weights)))
     return cases
+
+
+def checked_file(args, prog: str) -> Path:
+    """The packed file the answers are checked against: --weights, or its layer --layer for a folder."""
+    if args.weights.is_dir():
+        if args.layer is None:
+            sys.exit(f"{prog}: --weights {args.weights} is a folder of layers: pass --layer N, the layer to ask for")
+        return args.weights / f"layer{args.layer}.colibri.safetensors"
+    return args.weights
 
 
 def wire_array(array, datatype) -> np.ndarray:
@@ -135,7 +149,7 @@ def relative_error(output, expected) -> float:
 def check(infer, layer: Layer, args) -> bool:
     """Sends every case through infer; prints one line per case and the verdict; True if all pass."""
     ok = True
-    for name, inputs, expected in requests(layer, args.tokens, args.dtype, args.seed):
+    for name, inputs, expected in requests(layer, args.tokens, args.dtype, args.seed, args.layer):
         try:
             output = infer(inputs)
         except Exception as exc:  # a transport or server error is this case's FAIL, with its reason
@@ -162,13 +176,14 @@ def main(description: str, default_url: str, make_infer, add_arguments=None, pre
     args = p.parse_args()
     if preflight is not None:
         preflight(args)
-    if not args.weights.is_file():
-        sys.exit(f"{p.prog}: no checkpoint at {args.weights}: pass --weights FILE, the file the server "
+    weights = checked_file(args, p.prog)
+    if not weights.is_file():
+        sys.exit(f"{p.prog}: no checkpoint at {weights}: pass --weights FILE, the file the server "
                  f"serves (`colibri serve --weights FILE`), or run `make serve` once for the demo one")
-    layer = Layer(args.weights)
+    layer = Layer(weights)
     c = layer.config
-    default = " (the default: the demo checkpoint `make serve` serves)" if args.weights == DEFAULT_WEIGHTS else ""
-    print(f"checking against {args.weights}{default}: {c.num_experts} experts, top-{c.top_k}, "
+    default = " (the default: the demo checkpoint `make serve` serves)" if weights == DEFAULT_WEIGHTS else ""
+    print(f"checking against {weights}{default}: {c.num_experts} experts, top-{c.top_k}, "
           f"hidden {c.hidden_size}, {c.weight_dtype} weights; a server started with another checkpoint "
           f"needs --weights FILE, the file it serves", flush=True)
     sys.exit(0 if check(make_infer(args, layer), layer, args) else 1)

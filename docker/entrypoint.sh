@@ -32,13 +32,21 @@ esac
 folder=$(dirname "$weights")
 name=$(basename "$weights")
 
+# A whole model: the folder holds layer{N}.colibri.safetensors files (`pack --layer all`) and no
+# $name; every layer is served (colibri serve --weights DIR does the same).
+if [ ! -e "$weights" ] && ls "$folder"/layer[0-9]*.colibri.safetensors >/dev/null 2>&1; then
+    weights=$folder
+    export COLIBRI_WEIGHTS="$folder"
+    echo "colibri entrypoint: no $name in $folder: serving its layer{N}.colibri.safetensors files" >&2
+fi
+
 if [ ! -e "$weights" ]; then
     host=${COLIBRI_WEIGHTS_DIR:-}
     # A host folder is the user's: random weights there would be served as if they were theirs (a
     # typo in the path used to get exactly that). Compose resolves a relative path from docker/.
     if [ -n "$host" ]; then
         case "$host" in /*) where=$host ;; *) where="$host (relative to docker/, where the compose file is)" ;; esac
-        echo "colibri entrypoint: no $name in the host folder $where, mounted at $folder (COLIBRI_WEIGHTS_DIR): put the packed checkpoint there (python -m colibri pack ... --out <that folder>/$name), correct COLIBRI_WEIGHTS_DIR, or unset it to serve a demo checkpoint from compose's own volume" >&2
+        echo "colibri entrypoint: no $name in the host folder $where, mounted at $folder (COLIBRI_WEIGHTS_DIR): put the packed checkpoint there (python -m colibri pack ... --out <that folder>/$name), correct COLIBRI_WEIGHTS_DIR, or unset it to serve a demo checkpoint from compose's own volume (a folder of layer{N}.colibri.safetensors files serves a whole model)" >&2
         exit 1
     fi
     if [ "${COLIBRI_DEMO_IF_MISSING:-0}" != 1 ]; then

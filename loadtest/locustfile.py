@@ -18,6 +18,7 @@ Settings, as Locust options or environment variables (defaults in brackets):
                                  prefill-heavy, decode, prefill [decode-heavy]
   --prefill-tokens LOADTEST_PREFILL_TOKENS  "MIN-MAX" tokens of a prefill request [128-2048]
   --hidden    LOADTEST_HIDDEN    H, when the model's config does not give it (see model_shape)
+  --layer     LOADTEST_LAYER     N: every request names layer N (a server of a folder of layers); -1: none
   --samples-dir LOADTEST_SAMPLES_DIR  folder for one CSV row per request (loadtest/summary.py reads
                                  them for exact percentiles and P99 against concurrency)
   LOADTEST_STEPS, LOADTEST_STEP_TIME  "1,4,16" and seconds: a stepped user ramp (P99 against
@@ -122,6 +123,9 @@ def add_arguments(parser):
                        help="MIN-MAX tokens of a prefill request (clipped to max_batch_size)")
     group.add_argument("--hidden", env_var="LOADTEST_HIDDEN", type=int, default=0,
                        help="hidden size H, when the model config leaves it -1 (default: asked of the server)")
+    group.add_argument("--layer", env_var="LOADTEST_LAYER", type=int, default=-1,
+                       help="the layer every request names (input `layer`), for a server of a folder of layers "
+                            "(default -1: none)")
     group.add_argument("--samples-dir", env_var="LOADTEST_SAMPLES_DIR", default="",
                        help="write one CSV row per request into this folder")
     group.add_argument("--rate", env_var="LOADTEST_RATE", type=float, default=0.0,
@@ -257,6 +261,7 @@ class TritonUser(User):
         self.prefill_range = (min(low, self.shape["max_tokens"]), min(high, self.shape["max_tokens"]))
         self.pool = input_pool(self.shape, self.prefill_range[1])
         self.profiles, self.weights = list(self.mix), list(self.mix.values())
+        self.layer = options.layer
         self._pace = constant_throughput(options.rate) if options.rate > 0 else (lambda _user: 0.0)
 
     def on_stop(self):
@@ -271,7 +276,16 @@ class TritonUser(User):
         """(inputs, outputs) of a request of `tokens` rows; not timed (the client's own work)."""
         tensor = self.client_module.InferInput("hidden_states", [tokens, self.shape["hidden"]], self.shape["wire"])
         tensor.set_data_from_numpy(self.pool[:tokens])
-        return [tensor], [self.client_module.InferRequestedOutput("output", **self.output_options)]
+        outputs = [self.client_module.InferRequestedOutput("output", **self.output_options)]
+        return self.with_layer([tensor], tokens), outputs
+
+    def with_layer(self, inputs, tokens: int):
+        """inputs, plus `layer` [tokens, 1] (plain, not in shared memory: it is small) with --layer N."""
+        if self.layer >= 0:
+            tensor = self.client_module.InferInput("layer", [tokens, 1], "INT32")
+            tensor.set_data_from_numpy(np.full((tokens, 1), self.layer, np.int32))
+            inputs.append(tensor)
+        return inputs
 
     def output_shape(self, result):
         output = result.as_numpy("output")
@@ -419,7 +433,7 @@ class CudaShmUser(GrpcUser):
         tensor.set_shared_memory(self.input_region.name, nbytes)
         output = grpcclient.InferRequestedOutput("output")
         output.set_shared_memory(self.output_region.name, nbytes)
-        return [tensor], [output]
+        return self.with_layer([tensor], tokens), [output]
 
     def output_shape(self, result):
         output = result.get_output("output")

@@ -907,6 +907,17 @@ def test_entrypoint_never_writes_a_demo_into_a_host_folder(tmp_path, host, named
     assert not list(tmp_path.iterdir())
 
 
+def test_entrypoint_serves_a_folder_of_layers_in_place_of_the_file(tmp_path):
+    """A mounted folder holding layer{N}.colibri.safetensors files and no checkpoint file is served as
+    a whole model (COLIBRI_WEIGHTS becomes the folder), with no demo written."""
+    (tmp_path / "layer1.colibri.safetensors").write_bytes(b"a layer")
+    result = run_entrypoint(tmp_path, tmp_path / "weights.colibri.safetensors", "sh", "-c", 'echo "$COLIBRI_WEIGHTS"',
+                            COLIBRI_WEIGHTS_DIR="/srv/model", COLIBRI_DEMO_IF_MISSING="1")
+    assert result.returncode == 0 and result.stdout.strip() == str(tmp_path), result.stdout + result.stderr
+    assert "serving its layer{N}.colibri.safetensors files" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer1.colibri.safetensors"]
+
+
 def test_entrypoint_refuses_a_checkpoint_it_cannot_read(tmp_path):
     weights = tmp_path / "w.colibri.safetensors"
     weights.write_bytes(b"kept")

@@ -73,8 +73,8 @@ def test_nonfinite_requests_refused_alone_in_their_batch(weights, monkeypatch, r
     model = load_model(monkeypatch, weights)
     layer = colibri.MoELayer.from_file(weights)
     forwards = []
-    forward = model.layer.forward
-    monkeypatch.setattr(model.layer, "forward", lambda x, *rest: forwards.append(x.shape[0]) or forward(x, *rest))
+    forward = model.layers[None].forward
+    monkeypatch.setattr(model.layers[None], "forward", lambda x, *rest: forwards.append(x.shape[0]) or forward(x, *rest))
     for _ in range(5):
         batch = mixed_batch(rng, layer)
         assert any(bad is not None for _, bad in batch) and any(bad is None for _, bad in batch)
@@ -185,7 +185,7 @@ def test_warm_up_runs_before_ready_and_is_not_counted(weights, monkeypatch):
     monkeypatch.setattr(colibri.MoELayer, "forward", lambda self, *a, **k: calls.append(a[0]) or original(self, *a, **k))
     model = load_model(monkeypatch, weights)
     assert len(calls) == 4  # router x {alone, joined}, given routing x {alone, joined}
-    assert not model.layer.expert_counts().any()
+    assert not model.layers[None].expert_counts().any()
     calls.clear()
     load_model(monkeypatch, weights, parameters={"COLIBRI_WARMUP": "no"})
     assert calls == []

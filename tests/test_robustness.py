@@ -655,7 +655,7 @@ def test_launcher_restarts_triton_after_the_huge_json_shape_crash(weights, oracl
 # --------------------------------------------------------------------------------------------------
 
 def test_an_input_cannot_name_a_file(server, oracle):
-    """config.pbtxt declares exactly hidden_states, topk_ids and topk_weights, all numeric, and the
+    """config.pbtxt declares exactly hidden_states, topk_ids, topk_weights and layer, all numeric, and the
     weights path comes only from the config parameter or the environment at load time (model.py
     initialize); Triton refuses any other input name before model.py sees it, on both protocols."""
     request, expected = oracle.take_good()
@@ -667,7 +667,7 @@ def test_an_input_cannot_name_a_file(server, oracle):
         code, _, message = grpc_infer(service_pb2_grpc.GRPCInferenceServiceStub(channel), sneaky)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "weights_path" in message, (code, message)
     config = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}/config"))
-    assert sorted(i["name"] for i in config["input"]) == ["hidden_states", "topk_ids", "topk_weights"]
+    assert sorted(i["name"] for i in config["input"]) == ["hidden_states", "layer", "topk_ids", "topk_weights"]
     assert all(i["data_type"] != "TYPE_STRING" for i in config["input"])
     # Request parameters reach model.py, which reads none: one naming another checkpoint changes nothing.
     body, headers = http_body(request)

@@ -260,14 +260,14 @@ def test_launcher_rewrites_instance_kind_and_activation_dtype():
     assert re.findall(r"kind:\s*(KIND_\w+)", rewritten) == ["KIND_GPU"]
     types = dict(re.findall(r'name:\s*"(\w+)"\s*data_type:\s*(TYPE_\w+)', rewritten))
     assert types == {"hidden_states": "TYPE_BF16", "topk_ids": "TYPE_INT32", "topk_weights": "TYPE_FP32",
-                     "output": "TYPE_BF16"}
+                     "layer": "TYPE_INT32", "output": "TYPE_BF16"}
 
 
 def test_metadata_and_config_give_the_checkpoints_dims(server, layer):
     """config.pbtxt declares no dims; model.py's auto_complete_config fills them in from the checkpoint."""
     c = layer.config
     expected = {"hidden_states": [-1, c.hidden_size], "topk_ids": [-1, c.top_k], "topk_weights": [-1, c.top_k],
-                "output": [-1, c.hidden_size]}
+                "layer": [-1, 1], "output": [-1, c.hidden_size]}
     metadata = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}"))
     assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == expected
     grpc_config = grpcclient.InferenceServerClient(server.grpc_url).get_model_config(MODEL, as_json=True)["config"]

@@ -135,4 +135,4 @@ def test_config_gives_the_packed_dims(served):
     metadata = json.loads(server.get(f"http://{server.http_url}/v2/models/{MODEL}"))
     assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == {
         "hidden_states": [-1, H], "topk_ids": [-1, config.top_k], "topk_weights": [-1, config.top_k],
-        "output": [-1, H]}
+        "layer": [-1, 1], "output": [-1, H]}

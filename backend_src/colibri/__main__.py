@@ -138,7 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "checkpoint served: its path, size, time, sha256 and whether it is a demo. The "
                                    "image's entrypoint runs it; `serve` does the same.")
     stage.add_argument("repository", help="The model repository, e.g. /models.")
-    stage.add_argument("--weights", required=True, metavar="FILE", help="The checkpoint the server will load.")
+    stage.add_argument("--weights", required=True, metavar="FILE|DIR",
+                       help="The checkpoint the server will load (a file, or a folder of layer files).")
     stage.add_argument("--out", required=True, metavar="DIR", help="The copy's folder, which must not exist yet.")
     stage.add_argument("--model", default="colibri_moe", help="The model to name it in (default: %(default)s).")
     return parser

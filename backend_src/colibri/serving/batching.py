@@ -1,15 +1,18 @@
 """How colibri_moe's model.py joins the requests of one Triton batch into one forward, and the checks
 of its requests. A request's inputs are pb_utils.Tensor-like (name(), shape(), to_dlpack(), is_cpu());
-requests whose inputs have the same feature shapes are joined along the token axis. Tensors move
-through DLPack only: the 24.10 stub's as_numpy() is wrong under numpy 2.
+requests whose inputs have the same feature shapes are joined along the token axis. With weights
+that are a folder of layers, a batch's requests are first grouped by the layer they name (input
+`layer`), each group computed by its own layer. Tensors move through DLPack only: the 24.10 stub's
+as_numpy() is wrong under numpy 2.
 """
 import numpy as np
 
 import colibri
-from colibri.dlpack import take
+from colibri.dlpack import device_array, take
 from colibri.dtypes import ITEMSIZE, STORAGE, float32_to_bf16
 
 INPUTS = ("hidden_states", "topk_ids", "topk_weights")
+LAYER_INPUT = "layer"
 # Triton checks how many inputs came, not which: say what is missing.
 MISSING_HIDDEN_STATES = ("hidden_states: required (the tokens [T, H]); topk_ids and topk_weights only give "
                          "their routing")
@@ -17,6 +20,56 @@ MISSING_HIDDEN_STATES = ("hidden_states: required (the tokens [T, H]); topk_ids 
 
 class FinitenessCheckFailed(RuntimeError):
     """The NaN/Inf check itself failed (not an input found bad)."""
+
+
+def split_by_layer(members, layer_tensors, numbers):
+    """members [(index, inputs)] by the layer their request names: ({N: members}, [(index, message)]
+    for the requests refused). layer_tensors: each request's `layer` input or None; numbers: the layers
+    served, [] for a single file, whose members all go under None."""
+    groups, refused = {}, []
+    for (index, inputs), tensor in zip(members, layer_tensors):
+        try:
+            number = requested_layer(tensor, numbers)
+        except ValueError as exc:
+            refused.append((index, str(exc)))
+            continue
+        groups.setdefault(number, []).append((index, inputs))
+    return groups, refused
+
+
+def requested_layer(tensor, numbers):
+    """The layer number a request's `layer` input names (None for a single file); ValueError saying
+    what is wrong with it, the layers served named."""
+    if not numbers:
+        if tensor is not None:
+            raise ValueError("layer: this server serves one layer (its weights are one checkpoint file); "
+                             "send no layer")
+        return None
+    served = "this server serves layers " + ", ".join(map(str, numbers))
+    if tensor is None:
+        raise ValueError(f"layer: required: {served} (INT32 [T, 1], the layer's number on each of the T rows)")
+    values = np.unique(_host_values(tensor))
+    if values.size == 0:
+        raise ValueError(f"layer: no value (a request of no tokens); {served}")
+    if values.size > 1:
+        shown = ", ".join(map(str, values[:8].tolist())) + (", ..." if values.size > 8 else "")
+        raise ValueError(f"layer: one layer per request, got {shown}; {served}")
+    number = int(values[0])
+    if number not in numbers:
+        raise ValueError(f"layer: {number} is not served; {served}")
+    return number
+
+
+def _host_values(tensor) -> np.ndarray:
+    """A small input's values in a numpy copy, wherever it arrived (CUDA shared memory: on a GPU)."""
+    view = take(tensor.name(), tensor.to_dlpack())
+    try:
+        if view.on_host:
+            return view.host_array().copy()
+        array = device_array(view)
+        return array.get() if hasattr(array, "get") else array.cpu().numpy()  # cupy, or torch
+    finally:
+        view.release()
 
 
 def groups_by_shape(members):

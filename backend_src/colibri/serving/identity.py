@@ -1,5 +1,8 @@
 """Which checkpoint a server serves: its path, size, modification time, sha256 and whether it is a
-synthetic demo (random weights), for Triton's model config and the log.
+synthetic demo (random weights), for Triton's model config and the log. A folder of layer files
+(colibri.model_folder) has one identity too: its files' total size and newest modification time,
+and the sha256 of the listing `LC_ALL=C sha256sum layer*.colibri.safetensors` prints in the folder,
+so `... | sha256sum` there checks it; each file's own identity comes with it.
 
 The sha256 covers the whole file, so it can be compared with `sha256sum` on the machine that packed
 it. Hashing is a pass over the file (0.4-2 GB/s on one core), so the digest is kept beside the file in
@@ -14,6 +17,7 @@ import re
 import time
 from typing import NamedTuple, Optional
 
+from colibri import model_folder
 from colibri import safetensors_io as st
 from colibri._native import invalid
 
@@ -33,6 +37,7 @@ class Identity(NamedTuple):
     demo: bool         # written by `python -m colibri demo`: random weights
     source: str        # metadata "source": what pack read, or "colibri demo (seed S)"; "" if none
     note: str = ""     # what hashing it cost, when that was notable (empty when it was cached or quick)
+    files: tuple = ()  # a folder's: each layer file's Identity, by name
 
     @property
     def modified(self) -> str:
@@ -41,6 +46,9 @@ class Identity(NamedTuple):
     def describe(self) -> str:
         """One line: what a person reading the log needs to tell this checkpoint from another."""
         what = "DEMO checkpoint (random weights)" if self.demo else "packed from " + (self.source or "an unknown source")
+        if self.files:
+            return (f"{self.path} ({len(self.files)} layer files, {self.size} bytes, newest modified {self.modified}, "
+                    f"sha256 of their sha256sum listing {self.sha256}): {what}")
         return f"{self.path} ({self.size} bytes, modified {self.modified}, sha256 {self.sha256}): {what}"
 
 
@@ -48,6 +56,8 @@ def of(path, known: Optional[Identity] = None) -> Identity:
     """The identity of the checkpoint at `path`. `known`, an identity computed before (by the launcher),
     is reused when it names the same file with the same size and modification time."""
     path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return _of_folder(path)
     stat = os.stat(path)
     problem = st.not_regular(stat.st_mode)
     if problem:  # hashing a FIFO would wait for a writer forever
@@ -66,6 +76,20 @@ def of(path, known: Optional[Identity] = None) -> Identity:
         if seconds >= NOTABLE_SECONDS:
             note = f"sha256 of {path} ({stat.st_size} bytes) took {seconds:.1f} s; {kept}"
     return Identity(path, stat.st_size, stat.st_mtime_ns, digest, source.startswith(DEMO_SOURCE), source, note)
+
+
+def _of_folder(path) -> Identity:
+    """The identity of a folder of layer files: each file's, combined. The launcher's is not reused:
+    the files' FILE.sha256 digests already spare the instances a second pass."""
+    files = sorted(map(str, model_folder.layer_files(path).values()), key=os.path.basename)
+    parts = tuple(of(f) for f in files)
+    size, mtime_ns = sum(part.size for part in parts), max(part.mtime_ns for part in parts)
+    listing = "".join(f"{part.sha256}  {os.path.basename(part.path)}\n" for part in parts)
+    sources = list(dict.fromkeys(part.source for part in parts))
+    source = sources[0] + (f" (and {len(sources) - 1} other sources)" if len(sources) > 1 else "")
+    note = "; ".join(part.note for part in parts if part.note)
+    return Identity(path, size, mtime_ns, hashlib.sha256(listing.encode()).hexdigest(),
+                    all(part.demo for part in parts), source, note, parts)
 
 
 def utc(mtime_ns: int) -> str:

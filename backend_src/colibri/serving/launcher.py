@@ -188,11 +188,13 @@ def checkout_repository() -> Path | None:
 
 
 def ensure_weights(weights: Path | None, repository: Path) -> Path:
-    """The checkpoint to serve; without --weights, a demo one written once into the version folder."""
+    """The checkpoint to serve (a file, or a folder of layer files); without --weights, a demo one
+    written once into the version folder."""
     if weights is not None:
         if not weights.exists():
-            raise ServeError(f"--weights {weights}: no such file")
-        check_checkpoint(weights)
+            raise ServeError(f"--weights {weights}: no such file or folder")
+        for path in read_served(weights).files.values():
+            check_checkpoint(path)
         return weights.resolve()
     default = repository / MODEL_NAME / "1" / DEFAULT_WEIGHTS_NAME
     if not default.exists():
@@ -202,6 +204,59 @@ def ensure_weights(weights: Path | None, repository: Path) -> Path:
     else:
         check_checkpoint(default)
     return default.resolve()
+
+
+def read_served(weights: Path):
+    """The layers --weights serves (colibri.model_folder), or ServeError saying why not."""
+    from colibri import model_folder
+    from colibri._native import ColibriError
+    try:
+        return model_folder.read(weights)
+    except ColibriError as exc:
+        raise ServeError(f"--weights {exc.args[0]}") from None
+    except OSError as exc:  # e.g. a folder it may not list
+        raise ServeError(f"--weights {weights}: {exc.strerror or exc}") from None
+
+
+def gpu_free_bytes() -> list | None:
+    """Free memory of each GPU tritonserver will see, from nvidia-smi (the launcher opens no CUDA
+    context of its own: it would hold GPU memory for as long as the server runs), or None where it
+    cannot tell (no nvidia-smi, GPUs named by UUID): model.py checks again before loading."""
+    try:
+        lines = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+        free = {int(i): int(mib) << 20 for i, mib in (line.split(",") for line in lines if line.strip())}
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [free[i] for i in sorted(free)]
+    try:
+        return [free[int(d)] for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    except (ValueError, KeyError):
+        return None
+
+
+def check_memory(weights: Path, device: str, instances: int) -> None:
+    """Refuses, before the server starts, layers that cannot fit where they would run (colibri.memory):
+    every GPU holds `instances` copies of them; on the CPU the mapped files and each instance's workspace."""
+    from colibri import memory
+    from colibri._native import ColibriError
+    served = read_served(weights)
+    sizes = [path.stat().st_size for path in served.files.values()]
+    what = f"--weights {weights} ({served.describe_numbers()}, {instances} instance{'s' * (instances > 1)})"
+    try:
+        if device == "cpu" or (device == "auto" and visible_gpu_count() == 0):
+            memory.check(memory.needed(served.configs.values(), sizes, "cpu", instances), memory.host_available(),
+                         "the host (memory-mapped, used in place)", what)
+            return
+        override = os.environ.get(memory.AVAILABLE_OVERRIDE)
+        free = [int(override)] * max(1, visible_gpu_count()) if override else gpu_free_bytes()
+        for gpu, available in enumerate(free or []):
+            memory.check(memory.needed(served.configs.values(), sizes, "cuda", instances), available,
+                         f"GPU {gpu}", what)
+    except ColibriError as exc:
+        raise ServeError(exc.args[0]) from None
 
 
 def check_checkpoint(weights: Path) -> None:
@@ -379,8 +434,10 @@ def parse_args(argv):
     parser.add_argument("--model-repository", type=Path, default=None, metavar="DIR",
                         help="The Triton model repository to serve (default: the model_repository of the checkout "
                              "colibri runs from; an installed package has none, so give it).")
-    parser.add_argument("--weights", type=Path, default=None, metavar="FILE",
-                        help="The packed checkpoint to serve, a *.colibri.safetensors file (default: "
+    parser.add_argument("--weights", type=Path, default=None, metavar="FILE|DIR",
+                        help="The packed checkpoint to serve: a *.colibri.safetensors file, or a folder of "
+                             "layer{N}.colibri.safetensors files (what `pack --layer all` writes), every layer "
+                             "served and named by the input `layer` (default: "
                              f"{MODEL_NAME}/1/{DEFAULT_WEIGHTS_NAME} in the model repository, where a demo "
                              "checkpoint is written if there is none).")
     parser.add_argument("--device", choices=sorted(INSTANCE_KINDS), default="auto",
@@ -411,6 +468,7 @@ def main(argv=None) -> int:
                              "pass --model-repository DIR (a Colibri checkout's model_repository)")
         repository = repository.resolve()
         weights = ensure_weights(args.weights, repository)
+        check_memory(weights, args.device, args.instances)
         server_root = find_tritonserver()
         check_ports_free(args.host, {"HTTP": args.http_port, "gRPC": args.grpc_port, "metrics": args.metrics_port})
         with tempfile.TemporaryDirectory(prefix="colibri-serve-") as run_dir:

@@ -20,13 +20,14 @@ import os
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
-from colibri import checkpoint
+from colibri import model_folder
 from colibri.serving import identity
 
 
 def weights_path(model_config: dict, version_dir: str) -> str:
-    """The checkpoint: $COLIBRI_WEIGHTS (the launcher sets it) or the config parameter of that name,
-    relative to the version folder (an absolute path replaces it)."""
+    """The checkpoint (a packed file, or a folder of layer files: colibri.model_folder):
+    $COLIBRI_WEIGHTS (the launcher sets it) or the config parameter of that name, relative to the
+    version folder (an absolute path replaces it)."""
     weights = os.environ.get("COLIBRI_WEIGHTS") or model_config["parameters"]["COLIBRI_WEIGHTS"]["string_value"]
     return os.path.join(version_dir, weights)
 
@@ -101,12 +102,13 @@ def activation_dtype(model_config: dict) -> str:
 
 def complete(auto_complete_model_config, version_dir: str):
     """auto_complete_config for a model with colibri_moe's tensors: dims [H] for hidden_states,
-    [k] for topk_ids and topk_weights, [out_features] for output; the declared data types (the
-    launcher's --dtype rewrite) are kept."""
+    [k] for topk_ids and topk_weights, [out_features] for output (every layer's, for a folder: they
+    share them), [1] for layer (one value per token row: tokens are the batch dimension); the
+    declared data types (the launcher's --dtype rewrite) are kept."""
     declared = auto_complete_model_config.as_dict()
-    layer = checkpoint.read_config(weights_path(declared, version_dir))
+    layer = model_folder.read(weights_path(declared, version_dir)).config
     dims = {"hidden_states": layer.hidden_size, "topk_ids": layer.top_k, "topk_weights": layer.top_k,
-            "output": layer.out_features}
+            "output": layer.out_features, "layer": 1}
     for tensor in declared["input"]:
         auto_complete_model_config.add_input(
             {"name": tensor["name"], "data_type": tensor["data_type"], "dims": [dims[tensor["name"]]]})
@@ -118,12 +120,18 @@ def complete(auto_complete_model_config, version_dir: str):
 
 IDENTITY_PREFIX = "COLIBRI_CHECKPOINT_"
 IDENTITY_FIELDS = ("FILE", "BYTES", "MODIFIED", "SHA256", "DEMO", "SOURCE")
+# A folder's layer numbers, "0,2,5" (absent for a single file): what the probe and clients may send as `layer`.
+LAYERS_PARAMETER = "COLIBRI_LAYERS"
 
 
 def identity_parameters(ident: identity.Identity) -> dict:
     """The config parameters (name -> string) that name a checkpoint."""
     values = (ident.path, str(ident.size), ident.modified, ident.sha256, "yes" if ident.demo else "no", ident.source)
-    return {IDENTITY_PREFIX + field: value for field, value in zip(IDENTITY_FIELDS, values)}
+    parameters = {IDENTITY_PREFIX + field: value for field, value in zip(IDENTITY_FIELDS, values)}
+    if ident.files:
+        numbers = [model_folder.LAYER_FILE.match(os.path.basename(f.path)).group(1) for f in ident.files]
+        parameters[LAYERS_PARAMETER] = ",".join(sorted(numbers, key=int))
+    return parameters
 
 
 def identity_in_config(model_config: dict) -> Optional[identity.Identity]:

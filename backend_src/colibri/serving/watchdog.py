@@ -78,6 +78,13 @@ def _tensor(config: dict, kind: str, name: str):
     raise ProbeError(f"the model's config has no {kind} {name!r}")
 
 
+def _served_layers(config: dict) -> list:
+    """The layer numbers of the config's COLIBRI_LAYERS parameter (the launcher writes it for a folder of
+    layers: colibri.serving.triton_config); read here so the probe imports nothing of the engine."""
+    text = config.get("parameters", {}).get("COLIBRI_LAYERS", {}).get("string_value", "")
+    return [int(n) for n in text.split(",") if n.strip().isdigit()]
+
+
 def _encode(values, datatype: str) -> bytes:
     if datatype == "BF16":
         return b"".join(struct.pack("<f", v)[2:] for v in values)  # little-endian: the high half
@@ -108,9 +115,13 @@ def probe(url: str = DEFAULT_URL, model: str = DEFAULT_MODEL, timeout: float = P
         raise ProbeError(f"hidden_states {datatype} / output {out_datatype}: not a float datatype the probe sends")
 
     raw = _encode([0.5 * math.sin(i) for i in range(hidden)], datatype)  # small and varied: a real token
+    inputs = [{"name": "hidden_states", "shape": [1, hidden], "datatype": datatype,
+               "parameters": {"binary_data_size": len(raw)}}]
+    layers = _served_layers(config)
+    if layers:  # a folder of layers: the token goes to the first
+        inputs.append({"name": "layer", "shape": [1, 1], "datatype": "INT32", "data": [layers[0]]})
     header = json.dumps({
-        "inputs": [{"name": "hidden_states", "shape": [1, hidden], "datatype": datatype,
-                    "parameters": {"binary_data_size": len(raw)}}],
+        "inputs": inputs,
         "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
     }).encode()
     start = time.monotonic()
