@@ -26,6 +26,7 @@ from colibri import checkpoint
 from colibri import safetensors_io as st
 from colibri._native import DTYPE_CODES, ffi, lib
 from colibri.config import LayerConfig
+from colibri.dtypes import ITEMSIZE
 
 
 def write_layer(path, experts, hidden, intermediate, dtype):
@@ -33,7 +34,7 @@ def write_layer(path, experts, hidden, intermediate, dtype):
     config = LayerConfig(num_experts=experts, top_k=2, hidden_size=hidden, intermediate_size=intermediate,
                          weight_dtype=dtype, has_router=True)
     rng = np.random.default_rng(0)
-    storage = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}[dtype]
+    storage = np.dtype(f"uint{8 * ITEMSIZE[dtype]}")  # the weights' bits, drawn as unsigned integers
     finite = {"bf16": 0x3F80, "fp16": 0x3C00, "fp32": 0x3F800000}[dtype]  # bits below 1.0: finite, any sign
 
     def chunks():
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
             results["load_cuda_s"] = median_seconds(lambda: colibri.MoELayer.from_file(path, "cuda"), args.repeat)
         del ckpt, experts
 
-    experts_bytes = config.num_experts * config.expert_numel * (4 if args.dtype == "fp32" else 2)
+    experts_bytes = config.num_experts * config.expert_numel * ITEMSIZE[args.dtype]
     summary = {"shape": f"{args.experts}x(H={args.hidden}, F={args.intermediate}) {args.dtype}",
                "experts_bytes": experts_bytes, "cpu_count": os.cpu_count(), "machine": platform.node(),
                "check_GB_per_s": experts_bytes / results["check_s"] / 1e9, **results}

@@ -40,7 +40,7 @@ import numpy as np
 from colibri import fp8
 from colibri import safetensors_io as st
 from colibri._native import ColibriError, STATUS_INVALID_ARGUMENT
-from colibri.dtypes import from_float
+from colibri.dtypes import DTYPES, FLOAT_DTYPES, from_float
 from colibri.config import LayerConfig
 
 FORMAT_PREFIX = "colibri-moe/"
@@ -58,8 +58,9 @@ MAX_HEADER_BYTES = 1024 * 1024
 _INTEGER = re.compile(r"-?[0-9]{1,10}")
 _DECIMAL = re.compile(r"[-+]?(?:[0-9]{1,40}(?:\.[0-9]{0,40})?|\.[0-9]{1,40})(?:[eE][-+]?[0-9]{1,3})?")
 _VERSION = re.compile(r"[0-9]{1,6}")
-# The experts' safetensors dtypes each version may hold.
-EXPERT_DTYPES = {1: ("F32", "F16", "BF16"), 2: ("F32", "F16", "BF16"), 3: ("F32", "F16", "BF16", "F8_E4M3")}
+# The experts' safetensors dtypes each version may hold: the float dtypes, and fp8 from version 3.
+_FLOAT_EXPERTS = tuple(DTYPES[name].safetensors for name in FLOAT_DTYPES)
+EXPERT_DTYPES = {1: _FLOAT_EXPERTS, 2: _FLOAT_EXPERTS, 3: tuple(d.safetensors for d in DTYPES.values())}
 
 
 @dataclasses.dataclass

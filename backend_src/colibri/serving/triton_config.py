@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple, Optional
 
 from colibri import model_folder
+from colibri.dtypes import DTYPES
 from colibri.serving import identity
 
 
@@ -89,7 +90,7 @@ def warmup_tokens(model_config: dict, on_gpu: bool) -> list:
 
 
 # Activation dtypes as Triton's config names them (`colibri serve --dtype` writes these too).
-TRITON_DTYPES = {"fp32": "TYPE_FP32", "fp16": "TYPE_FP16", "bf16": "TYPE_BF16"}
+TRITON_DTYPES = {name: d.triton for name, d in DTYPES.items() if d.triton}
 
 
 def activation_dtype(model_config: dict) -> str:
