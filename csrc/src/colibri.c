@@ -156,7 +156,7 @@ static colibri_status_t check_expert_finite(colibri_dtype_t dtype, const void *w
     const uint64_t numel = colibri_expert_numel(kind, H, F), i = colibri_first_nonfinite(dtype, weights, numel);
     if (i == numel) return COLIBRI_OK;
     const uint64_t fh = (uint64_t)F * (uint64_t)H, m = kind == COLIBRI_EXPERT_SWIGLU ? i / fh : 0, at = i - m * fh;
-    static const char *const names[2][3] = {{"gate", "up", "down"}, {"w", "w", "w"}};
+    static const char *const swiglu_names[3] = {"gate", "up", "down"};
     const uint64_t cols = m == 2 ? (uint64_t)F : (uint64_t)H; /* down is [H, F], the others [F, H] */
     uint32_t bits = 0;
     memcpy(&bits, (const char *)weights + i * colibri_dtype_size(dtype), colibri_dtype_size(dtype));
@@ -171,7 +171,7 @@ static colibri_status_t check_expert_finite(colibri_dtype_t dtype, const void *w
     if (index >= 0) snprintf(who, sizeof who, "%s %d's", what, (int)index);
     else snprintf(who, sizeof who, "%s's", what);
     return colibri_set_error(COLIBRI_ERR_INVALID_ARGUMENT, "%s %s [%llu, %llu] is %s: weights must be finite", who,
-                             names[kind == COLIBRI_EXPERT_SWIGLU ? 0 : 1][m], (unsigned long long)(at / cols),
+                             kind == COLIBRI_EXPERT_SWIGLU ? swiglu_names[m] : "w", (unsigned long long)(at / cols),
                              (unsigned long long)(at % cols), value);
 }
 
