@@ -1,4 +1,4 @@
-"""The --help of the commands a new user runs first (serve, pack, demo, info and the command list),
+"""The --help of the commands a new user runs first (serve, pack, demo, info, generate and the command list),
 read as printed at 80 columns: the description, every option's help and the epilog are whole sentences.
 argparse wraps whatever it is given, so a help cut mid-sentence (serve's description once ended
 "...shipped in the nvidia-pytriton wheel on the") or an option without help shows only here."""
@@ -9,7 +9,7 @@ import pytest
 
 from colibri import __main__ as cli
 
-COMMANDS = [[], ["pack"], ["demo"], ["info"], ["stage"], ["serve"]]
+COMMANDS = [[], ["pack"], ["demo"], ["info"], ["stage"], ["serve"], ["generate"]]
 
 
 def help_text(command, monkeypatch, capsys) -> str:

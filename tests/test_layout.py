@@ -1,7 +1,9 @@
 """The Python package by role, read with ast (nothing is imported): the engine (colibri's own
-modules), the packer (colibri.pack) and serving (colibri.serving). The import graph has no circles,
-the engine imports neither the packer nor serving, serving does not import the packer, and no Python
-file in backend_src is over 700 lines.
+modules), the packer (colibri.pack), serving (colibri.serving) and the attention tier
+(colibri.attention, which uses the packer's family table and serving's CUDA shared memory). The import
+graph has no circles, the engine imports none of the others, serving does not import the packer, the
+packer not serving, none of them the attention tier, and no Python file in backend_src is over 700
+lines.
 
 An edge is an import written in a module, function bodies included: `from colibri.x import y` goes to
 colibri.x.y when that is a module, else to colibri.x. The package __init__ that Python runs on the
@@ -73,7 +75,8 @@ def circles(graph: dict) -> list:
 
 
 def role(name: str) -> str:
-    for prefix, what in (("colibri.pack", "pack"), ("colibri.serving", "serving")) + tuple(
+    for prefix, what in (("colibri.pack", "pack"), ("colibri.serving", "serving"),
+                         ("colibri.attention", "attention")) + tuple(
             (above, "above") for above in ABOVE_ROLES):
         if name == prefix or name.startswith(prefix + "."):
             return what
@@ -88,7 +91,8 @@ def graph():
 def test_the_graph_sees_every_role(graph):
     """So that a change to how imports are read cannot make the checks below pass by seeing nothing."""
     assert {"colibri", "colibri.layer", "colibri.pack", "colibri.pack.verify", "colibri.serving.launcher",
-            "colibri.serving.batching"} <= set(graph)
+            "colibri.serving.batching", "colibri.attention.tier"} <= set(graph)
+    assert "colibri.pack.families" in graph["colibri.attention.loading"]
     assert "colibri.serving.watchdog" in graph["colibri.serving.launcher"]
     assert "colibri.nonfinite" in graph["colibri"] and "colibri.layer" in graph["colibri.pack.verify"]
 
@@ -97,8 +101,9 @@ def test_the_import_graph_has_no_circles(graph):
     assert circles(graph) == []
 
 
-@pytest.mark.parametrize("importer, forbidden", [("engine", ("pack", "serving")), ("serving", ("pack",)),
-                                                 ("pack", ("serving",))])
+@pytest.mark.parametrize("importer, forbidden", [("engine", ("pack", "serving", "attention")),
+                                                 ("serving", ("pack", "attention")),
+                                                 ("pack", ("serving", "attention"))])
 def test_each_role_imports_only_what_it_may(graph, importer, forbidden):
     wrong = sorted(f"{name} imports {target}" for name, targets in graph.items() if role(name) == importer
                    for target in targets if role(target) in forbidden + ("above",))

@@ -204,7 +204,7 @@ def test_model_py_serves_on_the_python_backend_of_22_12(tmp_path, monkeypatch):
     assert bad.error is not None and "topk_ids" in bad.error.message and not bad.output_tensors
 
 
-@pytest.mark.parametrize("command", ["pack", "serve", "bench"])
+@pytest.mark.parametrize("command", ["pack", "serve", "bench", "generate"])
 def test_developer_commands_say_they_need_3_10(command, monkeypatch, capsys):
     try:
         from colibri import __main__ as cli

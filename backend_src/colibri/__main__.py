@@ -1,4 +1,4 @@
-"""python -m colibri {pack,demo,serve,bench,info,probe,watch,stage}"""
+"""python -m colibri {pack,demo,serve,bench,generate,info,probe,watch,stage}"""
 import argparse
 import importlib
 import pathlib
@@ -11,11 +11,11 @@ from colibri.config import EXPERT_KINDS, ROUTINGS
 
 # The runtime and `demo`/`info`/`probe`/`watch` run on Python 3.8 (the CUDA 11.8 image); these are
 # developer tools, written for and tested on 3.10+ only (backend_src/pyproject.toml).
-DEVELOPER_COMMANDS = ("pack", "serve", "bench")
+DEVELOPER_COMMANDS = ("pack", "serve", "bench", "generate")
 
 
-# serve and bench live in modules of their own (with their own options): imported only when asked.
-DELEGATED = {"serve": "colibri.serving.launcher", "bench": "colibri.bench"}
+# serve, bench and generate live in modules of their own (with their own options): imported only when asked.
+DELEGATED = {"serve": "colibri.serving.launcher", "bench": "colibri.bench", "generate": "colibri.attention.cli"}
 
 
 def _delegate(command: str, argv) -> int:
@@ -64,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
                                 help="One of the commands below; `python -m colibri COMMAND --help` gives its options.")
     sub.add_parser("serve", help="Serve the model with tritonserver on this host.")
     sub.add_parser("bench", help="Run the benchmarks.")
+    sub.add_parser("generate", help="Generate from a Hugging Face MoE model whose MoE blocks run on the expert tier.")
     sub.add_parser("probe", help="Check liveness with one real one-token request.")
     sub.add_parser("watch", help="Run a server command and restart it when it dies or stops answering.")
 

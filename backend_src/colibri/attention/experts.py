@@ -64,6 +64,7 @@ class InProcessExperts:
                           f"{model_folder.LAYER_PATTERN} files (pack --layer all --out DIR)")
         self.device = str(device)
         self._layers = {n: MoELayer.from_file(path, device=self.device) for n, path in served.files.items()}
+        self.configs = {n: layer.config for n, layer in self._layers.items()}
         self.layers = set(self._layers)
         self.hidden_size = served.config.hidden_size
 
@@ -108,6 +109,7 @@ class GrpcExperts:
         inputs = {t["name"]: t for t in metadata["inputs"]}
         self.datatype = inputs["hidden_states"]["datatype"]
         self.hidden_size = int(inputs["hidden_states"]["shape"][-1])
+        self.top_k = int(inputs["topk_ids"]["shape"][-1]) if "topk_ids" in inputs else None
         if "layer" not in inputs:
             raise invalid(f"url {url}: model {model!r} takes no `layer` input: not a Colibri expert tier")
         layers = config.get("parameters", {}).get("COLIBRI_LAYERS", {}).get("string_value", "")

@@ -92,13 +92,13 @@ class AttentionTier:
             self._synchronize()
             started = time.perf_counter()
             inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
             token = logits[:, -1].argmax(-1)
             tokens.append(int(token))
             self._synchronize()
             first = time.perf_counter()
             for _ in range(int(max_new_tokens) - 1):
-                logits = self.model(input_ids=token[:, None], past_key_values=cache, use_cache=True).logits
+                logits = self.model(input_ids=token[:, None], cache=cache, use_cache=True).logits
                 token = logits[:, -1].argmax(-1)
                 tokens.append(int(token))
             self._synchronize()
@@ -126,3 +126,21 @@ def _check_served(moe_layers, experts, config):
     hidden = getattr(experts, "hidden_size", None)
     if hidden is not None and hidden != config.hidden_size:
         raise invalid(f"the expert tier's layers take hidden size {hidden}, the model's is {config.hidden_size}")
+    # What the model's config.json says each MoE layer is, as pack reads it: a packed folder of another
+    # model with the same layer numbers and width is refused here, not run.
+    from colibri.pack.families import _plan
+    plan = _plan(config.to_dict(), dict(top_k=None, routing=None, renormalize=None, routed_scaling_factor=None),
+                 False)
+    wanted = dict(num_experts=plan.num_experts, top_k=plan.top_k, routing=plan.routing)
+    for number, layer in sorted(getattr(experts, "configs", {}).items()):
+        got = {field: getattr(layer, field) for field in wanted}
+        if got != wanted:
+            raise invalid(f"the expert tier's layer {number} is {_describe(got)}, the model's MoE layers are "
+                          f"{_describe(wanted)}: packed from another model?")
+    top_k = getattr(experts, "top_k", None)
+    if top_k is not None and top_k != plan.top_k:
+        raise invalid(f"the expert tier's layers route each token to {top_k} experts, the model's to {plan.top_k}")
+
+
+def _describe(layer):
+    return f"{layer['num_experts']} experts, top-{layer['top_k']}, {layer['routing']} routing"
