@@ -137,10 +137,10 @@ class GrpcExperts:
         array = host.view(torch.int16).numpy().view(_bfloat16()) if self.datatype == "BF16" else host.numpy()
         inputs = [self._input("hidden_states", array, self.datatype), self._layer_input(layer, x.shape[0])]
         result = self._infer(layer, inputs)
-        out = result.as_numpy("output")
+        out = np.array(result.as_numpy("output"))  # a writable copy: the reply's buffer is read-only
         if self.datatype == "BF16":
-            return torch.from_numpy(np.ascontiguousarray(out).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.ascontiguousarray(out))
+            return torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(out)
 
     def _input(self, name, array, datatype):
         tensor = self._grpc.InferInput(name, list(array.shape), datatype)
