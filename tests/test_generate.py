@@ -270,6 +270,20 @@ def test_the_cli_refuses_in_one_line(qwen, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o.json").exists()
 
 
+def test_without_torch_generate_says_what_it_needs_in_one_line(tmp_path):
+    """torch blocked (as on a host without the attention extra): one line naming the extra, exit 2."""
+    code = ("import sys\nclass NoTorch:\n    @staticmethod\n    def find_spec(name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'transformers'):\n"
+            "            raise ImportError(f'no module named {name!r}')\n"
+            "sys.meta_path.insert(0, NoTorch())\nfrom colibri import __main__ as cli\n"
+            f"sys.exit(cli.main(['generate', '--url', '127.0.0.1:1', '--model', {str(tmp_path)!r}, '--prompt-ids', "
+            f"'1', '--max-new-tokens', '1', '--json', {str(tmp_path / 'o.json')!r}]))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("colibri generate: needs torch and transformers (pip install "
+                                    "'colibri-moe[attention]')"), result.stderr
+
+
 def test_generate_help_runs_without_loading_torch():
     """`generate --help` answers before torch or transformers is imported (a user without them learns how)."""
     code = ("import sys\nfrom colibri import __main__ as cli\ntry:\n    cli.main(['generate', '--help'])\n"

@@ -80,6 +80,11 @@ def test_the_wheel_carries_the_library_the_extension_and_the_license(wheel):
     assert [n for n in files if "_colibri_cffi" in n] == [f"colibri/{EXTENSION}"]
     (metadata,) = [data.decode() for name, data in files.items() if name.endswith(".dist-info/METADATA")]
     assert "\nName: colibri-moe\n" in metadata
+    # torch and transformers only with the attention extra, never for the engine
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert "Provides-Extra: attention" in metadata and all("extra ==" in r for r in requires
+                                                           if "torch" in r or "transformers" in r), requires
+    assert any(r.startswith("Requires-Dist: torch") for r in requires), requires
     assert "\nLicense-Expression: Apache-2.0\n" in metadata or "\nLicense: Apache-2.0\n" in metadata, metadata
     licenses = [data for name, data in files.items() if ".dist-info/" in name and name.endswith("LICENSE")]
     assert licenses == [(REPO / "LICENSE").read_bytes()]
@@ -140,8 +145,10 @@ def test_the_installed_package_has_every_role_and_serves_without_a_checkout(inst
     --model-repository it asks for one in a line, before looking for a server."""
     python, site = installed
     script = ("import colibri, colibri.pack, colibri.serving.launcher, colibri.serving.batching, colibri.testing\n"
+              "import colibri.attention.cli\n"
               "from colibri.pack import pack\n"
-              "for module in (colibri, colibri.pack, colibri.serving.launcher, colibri.serving.batching):\n"
+              "for module in (colibri, colibri.pack, colibri.serving.launcher, colibri.serving.batching,\n"
+              "               colibri.attention.cli):\n"
               "    print(module.__file__)\n")
     imported = run([python, "-c", script], cwd=tmp_path)
     assert imported.returncode == 0, imported.stdout + imported.stderr
