@@ -195,6 +195,19 @@ def test_the_eager_baseline_and_the_drop_in_block(family, tmp_path):
     assert tokens == family.expected[1]
 
 
+def test_a_model_already_built_is_wrapped(family):
+    """AttentionTier(model, experts), as for random weights built on a GPU: its MoE blocks are replaced
+    (their parameters gone with them) and it generates the same tokens."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir).eval()
+    before = {name for name, _ in model.named_parameters()}
+    tier = AttentionTier(model, expert_tier("inprocess", weights=family.packed))
+    moe_prefixes = tuple(f"model.layers.{n}.mlp." for n in MOE_LAYERS[family.name])
+    after = {name for name, _ in model.named_parameters()}
+    assert after == {n for n in before if not n.startswith(moe_prefixes)} and after != before
+    assert tier.moe_layers == MOE_LAYERS[family.name]
+    assert tier.generate(family.prompts[2], NEW_TOKENS).tokens == family.expected[2]
+
+
 # ---- refusals, in one line ------------------------------------------------------------------------
 
 
@@ -216,6 +229,10 @@ def test_the_tier_refuses_what_it_cannot_run(qwen, tmp_path):
     shutil.copy(family.packed / "layer3.colibri.safetensors", partial)
     refused(r"serves layers 1, 3, 5, .*: 5 not MoE layers of this model",
             AttentionTier.from_pretrained, family.hf_dir, expert_tier("inprocess", weights=partial))
+    built = transformers.AutoModelForCausalLM.from_pretrained(family.hf_dir).eval()
+    refused(r"serves layers 1, 3, 5, .*: 5 not MoE layers", AttentionTier, built,
+            expert_tier("inprocess", weights=partial))
+    assert type(built.model.layers[1].mlp).__name__ == "Qwen3MoeSparseMoeBlock", "refused, yet changed"
     refused(r"weights .*layer1.colibri.safetensors: one layer file; the expert tier needs a folder",
             expert_tier, "inprocess", weights=family.packed / "layer1.colibri.safetensors")
     tier = AttentionTier.from_pretrained(family.hf_dir, expert_tier("inprocess", weights=family.packed))

@@ -65,16 +65,19 @@ def _replaced():
     return _Block
 
 
-def replace_moe_blocks(model, make_block):
-    """Replaces each MoE block by make_block(layer index); returns the sorted indices. A model with no
-    MoE block is refused in one line."""
-    found = moe_blocks(model)
+def moe_layers(model):
+    """The sorted indices of the model's MoE layers; a model with none is refused in one line."""
+    found = sorted(moe_blocks(model))
     if not found:
         raise invalid(f"{model.config.model_type} model of {len(decoder_layers(model))} layers has no MoE block "
                       f"({block_class(model.config.model_type).__name__}): nothing for the expert tier to serve")
-    for index, (layer, name) in found.items():
+    return found
+
+
+def replace_moe_blocks(model, make_block):
+    """Replaces each MoE block by make_block(layer index)."""
+    for index, (layer, name) in moe_blocks(model).items():
         setattr(layer, name, make_block(index))
-    return sorted(found)
 
 
 def read_config(model_dir):
@@ -90,9 +93,10 @@ def read_config(model_dir):
     return AutoConfig.from_pretrained(folder)
 
 
-def load_without_experts(model_dir, make_block, device="cpu", dtype=None):
-    """(the causal LM of model_dir with its MoE blocks replaced by make_block(index), the indices), on
-    `device` in `dtype` (None: config.json's dtype, else float32), reading no expert weight."""
+def load_without_experts(model_dir, make_block, device="cpu", dtype=None, check=None):
+    """(the causal LM of model_dir with its MoE blocks replaced by make_block(index), their indices), on
+    `device` in `dtype` (None: config.json's dtype, else float32), reading no expert weight. check(indices,
+    config) runs before any memory is allocated or weight read."""
     from transformers import AutoModelForCausalLM
 
     from colibri.pack.source import _Source
@@ -101,7 +105,10 @@ def load_without_experts(model_dir, make_block, device="cpu", dtype=None):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
-    indices = replace_moe_blocks(model, make_block)
+    indices = moe_layers(model)
+    if check is not None:
+        check(indices, model.config)
+    replace_moe_blocks(model, make_block)
     model.to_empty(device=device)
     _recompute_non_persistent_buffers(model)
     _load_tensors(model, _Source(model_dir), model_dir)

@@ -36,15 +36,16 @@ class AttentionTier:
     experts : expert tier
         Must serve exactly the model's MoE layers, at the model's hidden size."""
 
-    def __init__(self, model, experts, _moe_layers=None):
-        self.model, self.experts = model.eval(), experts
+    def __init__(self, model, experts):
         if experts is not None:
+            _check_served(loading.moe_layers(model), experts, model.config)  # before the model is changed
             family = model.config.model_type
-            self.moe_layers = _moe_layers or loading.replace_moe_blocks(
-                model, lambda index: ExpertBlock(experts, index, family))
-            _check_served(self.moe_layers, experts, model.config)
-        else:
-            self.moe_layers = sorted(loading.moe_blocks(model))
+            loading.replace_moe_blocks(model, lambda index: ExpertBlock(experts, index, family))
+        self._attach(model, experts)
+
+    def _attach(self, model, experts):
+        self.model, self.experts = model.eval(), experts
+        self.moe_layers = loading.moe_layers(model)
         self.device = next(model.parameters()).device
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
@@ -53,11 +54,15 @@ class AttentionTier:
         """The model of the Hugging Face folder model_dir (config.json and safetensors shards) on `device`,
         loading none of its expert weights; dtype: torch dtype or name (bf16, fp16, fp32; None: the one
         config.json names). Refuses, in one line, a family it does not know, a model without MoE blocks,
-        a missing non-expert weight and an expert tier that does not serve exactly the MoE layers."""
+        a missing non-expert weight and an expert tier that does not serve exactly the MoE layers (before
+        any weight is read)."""
         family = loading.read_config(model_dir).model_type
-        model, layers = loading.load_without_experts(model_dir, lambda index: ExpertBlock(experts, index, family),
-                                                     device, dtype)
-        return cls(model, experts, _moe_layers=layers)
+        model, _ = loading.load_without_experts(
+            model_dir, lambda index: ExpertBlock(experts, index, family), device, dtype,
+            check=lambda layers, config: _check_served(layers, experts, config))
+        tier = cls.__new__(cls)
+        tier._attach(model, experts)
+        return tier
 
     @classmethod
     def eager(cls, model):
