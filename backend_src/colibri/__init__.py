@@ -26,8 +26,9 @@ Exported:
 
 Packed checkpoints (*.colibri.safetensors) are read and written by colibri.checkpoint; the float64
 reference is colibri.reference; `python -m colibri --help` lists the command-line tools (pack,
-demo, info, serve, probe, watch, bench). Beside this engine: colibri.pack converts Hugging Face
-checkpoints (docs/packing.md), colibri.serving serves with Triton; the engine imports neither.
+demo, info, serve, probe, watch, bench, generate). Beside this engine: colibri.pack converts Hugging
+Face checkpoints (docs/packing.md), colibri.serving serves with Triton, colibri.attention runs a whole
+model's attention with transformers around them (torch: an extra); the engine imports none of them.
 """
 from colibri._native import (STATUS_CUDA, STATUS_INTERNAL, STATUS_INVALID_ARGUMENT, STATUS_OK,
                              STATUS_OUT_OF_MEMORY, STATUS_ROUTING, STATUS_UNSUPPORTED, ColibriError, ffi, lib)
