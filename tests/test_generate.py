@@ -103,16 +103,16 @@ def servers(tmp_path_factory):
     (qwen3_moe) right after them, so each family's server starts once."""
     running = {}
 
-    def server(family):
+    def server(family, dtype="fp32"):
         if missing_reason() is not None:
             pytest.skip(f"no tritonserver: {missing_reason()}")
-        if family.name not in running:
+        if (family.name, dtype) not in running:
             for context, _ in running.values():
                 context.__exit__(None, None, None)
             running.clear()
-            context = serving(family.packed, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", "fp32")
-            running[family.name] = (context, context.__enter__())
-        return running[family.name][1]
+            context = serving(family.packed, tmp_path_factory.mktemp("logs"), "--device", "cpu", "--dtype", dtype)
+            running[family.name, dtype] = (context, context.__enter__())
+        return running[family.name, dtype][1]
     yield server
     for context, _ in running.values():
         context.__exit__(None, None, None)
@@ -168,6 +168,33 @@ def test_the_cli_writes_the_tokens_and_timings(qwen, servers, tmp_path, colibri_
     assert set(written) == {"tokens", "ttft_ms", "tpot_ms"} and written["tokens"] == family.expected[0]
     assert written["ttft_ms"] > 0 and written["tpot_ms"] > 0
     assert result.stdout.startswith(f"colibri generate: {NEW_TOKENS} tokens after {len(prompt)} prompt tokens")
+
+
+class Bf16Wire:
+    """The in-process layers as a server started with --dtype bf16 computes them: hidden states rounded to
+    bf16, the layer run on bf16 activations, its bf16 output widened back."""
+
+    def __init__(self, experts):
+        self.experts, self.layers, self.hidden_size = experts, experts.layers, experts.hidden_size
+
+    def forward(self, layer, hidden):
+        return self.experts.forward(layer, hidden.to(torch.bfloat16)).to(hidden.dtype)
+
+    def close(self):
+        self.experts.close()
+
+
+@needs_server
+def test_bf16_on_the_wire_is_what_the_server_computes(qwen, servers):
+    """A server of --dtype bf16: the gRPC tier sends tritonclient's BF16 arrays and reads them back, giving
+    the tokens of the same layers computed in-process on bf16 activations."""
+    experts = expert_tier("grpc", url=servers(qwen, "bf16").grpc_url)
+    assert experts.datatype == "BF16"
+    tier = AttentionTier.from_pretrained(qwen.hf_dir, experts)
+    emulated = AttentionTier.from_pretrained(qwen.hf_dir, Bf16Wire(expert_tier("inprocess", weights=qwen.packed)))
+    for prompt in qwen.prompts:
+        assert tier.generate(prompt, NEW_TOKENS).tokens == emulated.generate(prompt, NEW_TOKENS).tokens, prompt
+    tier.close()
 
 
 def test_the_eager_baseline_and_the_drop_in_block(family, tmp_path):
