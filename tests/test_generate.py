@@ -235,6 +235,33 @@ def test_a_model_already_built_is_wrapped(family):
     assert tier.generate(family.prompts[2], NEW_TOKENS).tokens == family.expected[2]
 
 
+def test_from_config_draws_the_non_expert_weights_as_transformers_does(family):
+    """AttentionTier.from_config (figures of a released shape): no expert allocated, the rest drawn by
+    transformers' own _init_weights (seeded: the same seed, the same model), the buffers transformers'."""
+    config = family.model.config
+    experts = expert_tier("inprocess", weights=family.packed)
+    tier = AttentionTier.from_config(config, experts, seed=3)
+    assert tier.moe_layers == MOE_LAYERS[family.name]
+    moe_prefixes = tuple(f"model.layers.{n}.mlp." for n in MOE_LAYERS[family.name])
+    params = dict(tier.model.named_parameters())
+    assert set(params) == {n for n, _ in family.model.named_parameters() if not n.startswith(moe_prefixes)}
+    std = config.initializer_range
+    for name, value in params.items():
+        assert torch.isfinite(value).all(), name
+        if name.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif value.dim() == 2:
+            assert 0.7 * std < float(value.detach().std()) < 1.3 * std, name
+    theirs = dict(family.model.named_buffers())
+    assert all(torch.equal(theirs[name], value) for name, value in tier.model.named_buffers())
+    again = AttentionTier.from_config(config, experts, seed=3)
+    assert all(torch.equal(params[n], p) for n, p in again.model.named_parameters())
+    tokens = tier.generate(family.prompts[0], 4).tokens
+    assert again.generate(family.prompts[0], 4).tokens == tokens
+    other = dict(AttentionTier.from_config(config, experts, seed=4).model.named_parameters())
+    assert not torch.equal(other["model.embed_tokens.weight"], params["model.embed_tokens.weight"])
+
+
 # ---- refusals, in one line ------------------------------------------------------------------------
 
 

@@ -13,7 +13,8 @@ memory on the same host), or colibri.MoELayer in-process. Needs torch and transf
 Exported:
     expert_tier(protocol, url=, weights=, device=, model=)
                     the expert tier: inprocess | grpc | cudashm (colibri.attention.experts)
-    AttentionTier   from_pretrained(model_dir, experts, device, dtype), AttentionTier(model, experts) for a
+    AttentionTier   from_pretrained(model_dir, experts, device, dtype), from_config(config, experts, device,
+                    dtype, seed) (random non-expert weights), AttentionTier(model, experts) for a
                     model already built, AttentionTier.eager(model) (the transformers baseline), generate()
     GenerateResult  tokens, ttft_s, tpot_s, prompt_tokens
     ColibriBlock    the drop-in for PyTorch users: a module that replaces a transformers MoE block by a

@@ -93,14 +93,12 @@ def read_config(model_dir):
     return AutoConfig.from_pretrained(folder)
 
 
-def load_without_experts(model_dir, make_block, device="cpu", dtype=None, check=None):
-    """(the causal LM of model_dir with its MoE blocks replaced by make_block(index), their indices), on
-    `device` in `dtype` (None: config.json's dtype, else float32), reading no expert weight. check(indices,
-    config) runs before any memory is allocated or weight read."""
+def build_without_experts(config, make_block, device="cpu", dtype=None, check=None):
+    """(the causal LM of `config` with its MoE blocks replaced by make_block(index), their indices) on
+    `device` in `dtype` (None: the config's dtype, else float32), its non-persistent buffers computed and
+    its parameters not yet set. Built on the meta device, so the experts never take memory; check(indices,
+    config) runs before any memory is allocated."""
     from transformers import AutoModelForCausalLM
-
-    from colibri.pack.source import _Source
-    config = read_config(model_dir)
     dtype = torch_dtype(dtype) or _config_dtype(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -111,7 +109,32 @@ def load_without_experts(model_dir, make_block, device="cpu", dtype=None, check=
     replace_moe_blocks(model, make_block)
     model.to_empty(device=device)
     _recompute_non_persistent_buffers(model)
+    return model, indices
+
+
+def load_without_experts(model_dir, make_block, device="cpu", dtype=None, check=None):
+    """build_without_experts of model_dir's config.json, every remaining weight read from its safetensors
+    shards (no expert weight is read)."""
+    from colibri.pack.source import _Source
+    model, indices = build_without_experts(read_config(model_dir), make_block, device, dtype, check)
     _load_tensors(model, _Source(model_dir), model_dir)
+    return model, indices
+
+
+def random_without_experts(config, make_block, device="cpu", dtype=None, check=None, seed=0):
+    """build_without_experts with random parameters, drawn as transformers initialises the model
+    (_init_weights of each module, seeded): a model of a released shape without its weights."""
+    model, indices = build_without_experts(config, make_block, device, dtype, check)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(float("nan"))
+        torch.manual_seed(seed)
+        for module in model.modules():
+            model._init_weights(module)
+    for name, parameter in model.named_parameters():
+        if torch.isnan(parameter).any():
+            raise invalid(f"{name}: transformers' _init_weights of {type(model).__name__} does not set this "
+                          "parameter; the attention tier cannot draw this model at random")
     return model, indices
 
 

@@ -65,6 +65,19 @@ class AttentionTier:
         return tier
 
     @classmethod
+    def from_config(cls, config, experts, device="cpu", dtype=None, seed=0):
+        """A model of a transformers config (e.g. transformers.Qwen3MoeConfig(): Qwen3-30B-A3B's shape) with
+        random non-expert weights drawn as transformers initialises them (seeded), built on `device`
+        without ever allocating the experts: for figures of a released shape without its weights."""
+        family = config.model_type
+        model, _ = loading.random_without_experts(
+            config, lambda index: ExpertBlock(experts, index, family), device, dtype,
+            check=lambda layers, cfg: _check_served(layers, experts, cfg), seed=seed)
+        tier = cls.__new__(cls)
+        tier._attach(model, experts)
+        return tier
+
+    @classmethod
     def eager(cls, model):
         """The baseline: the model as transformers runs it, its own MoE blocks included."""
         return cls(model, None)
