@@ -132,15 +132,14 @@ class AttentionTier:
 def _check_served(moe_layers, experts, config):
     """The expert tier serves exactly the model's MoE layers, at its hidden size; else one line."""
     wanted, served = set(moe_layers), set(experts.layers)
-    names = lambda numbers: ", ".join(map(str, sorted(numbers)))  # noqa: E731
     if wanted != served:
         parts = []
         if wanted - served:
-            parts.append(f"missing {names(wanted - served)}")
+            parts.append(f"missing {_numbers(wanted - served)}")
         if served - wanted:
-            parts.append(f"{names(served - wanted)} not MoE layers of this model")
-        raise invalid(f"the expert tier serves layers {names(served) or 'none'}, the model's MoE layers are "
-                      f"{names(wanted)}: {'; '.join(parts)} (pack --layer all packs every MoE layer)")
+            parts.append(f"{_numbers(served - wanted)} not MoE layers of this model")
+        raise invalid(f"the expert tier serves layers {_numbers(served) or 'none'}, the model's MoE layers are "
+                      f"{_numbers(wanted)}: {'; '.join(parts)} (pack --layer all packs every MoE layer)")
     hidden = getattr(experts, "hidden_size", None)
     if hidden is not None and hidden != config.hidden_size:
         raise invalid(f"the expert tier's layers take hidden size {hidden}, the model's is {config.hidden_size}")
@@ -158,6 +157,10 @@ def _check_served(moe_layers, experts, config):
     top_k = getattr(experts, "top_k", None)
     if top_k is not None and top_k != plan.top_k:
         raise invalid(f"the expert tier's layers route each token to {top_k} experts, the model's to {plan.top_k}")
+
+
+def _numbers(numbers):
+    return ", ".join(map(str, sorted(numbers)))
 
 
 def _describe(layer):
