@@ -1,0 +1,249 @@
+"""Time to first token of a whole MoE model on one GPU: transformers' bf16 model with its own (eager) MoE
+blocks against the same model whose MoE layers run in Colibri's expert tier with fp8 experts —
+in-process, over gRPC with CUDA shared memory, and over plain gRPC to a tritonserver on the same GPU.
+
+The model is Qwen3-30B-A3B's shape with random weights (bench/ttft_model.py): drawn on the GPU in bf16,
+timed as it is (the eager baseline), then its experts are packed to fp8 into a folder of layers and
+freed, and the rest of the model (embeddings, attention, norms, lm_head: the attention tier) is timed
+against each expert tier. Every protocol sees the same prompts, the same arrivals and the same driver.
+
+Load: open loop. Requests arrive as a Poisson process at the offered rate (fixed seed); each is a
+prompt of --prompt-tokens random ids, prefilled through every layer to its first new token, then
+--new-tokens - 1 more tokens greedily. One attention tier serves one request at a time in arrival order,
+so a request's TTFT is its wait behind earlier requests plus its own prefill, measured from its
+scheduled arrival (a late request is not excused: no coordinated omission). TPOT is the mean time of
+its later tokens. Reported per protocol and offered rate: P50/P99 TTFT and P99 TPOT with sample counts.
+The fixed offered load is --fixed-load of the eager baseline's capacity (1 / its warm prefill time),
+so the baseline is loaded but not saturated; the sweep finds the highest rate whose P99 TTFT stays within
+--budget-ms.
+
+    python3 bench/bench_ttft.py --out DIR [--layers 48] [--prompt-tokens 2048] [--new-tokens 16]
+        [--protocols eager,inprocess,cudashm,grpc] [--rates 2,4,8,12] [--duration 30] [--budget-ms 200]
+
+Writes DIR/ttft.json (every sample), DIR/ttft.md (the table) and DIR/ttft.png (P99 TTFT against offered
+load, when matplotlib is there). Needs a CUDA GPU with room for the bf16 model (61 GB for 48 layers),
+torch, transformers, and for the gRPC protocols a tritonserver `python -m colibri serve` can find.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ttft_model  # noqa: E402
+
+
+def percentile(values, q):
+    return float(np.percentile(np.asarray(values, np.float64), q)) if len(values) else float("nan")
+
+
+def poisson_arrivals(rate, duration, seed):
+    """Arrival times (s from the start) of a Poisson process of `rate` per second over `duration` s."""
+    rng = np.random.default_rng(seed)
+    times, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t >= duration:
+            return times
+        times.append(t)
+
+
+def open_loop(tier, rate, duration, prompts, new_tokens, seed, deadline, give_up_s=5.0):
+    """Serves the arrivals of one run, one at a time in order; each sample's TTFT counts from its arrival.
+    A run whose queue holds a request back over give_up_s is overloaded: it stops there (incomplete)."""
+    import torch
+    samples = []
+    arrivals = poisson_arrivals(rate, duration, seed)
+    start = time.perf_counter()
+    for n, arrival in enumerate(arrivals):
+        now = time.perf_counter() - start
+        if now < arrival:
+            time.sleep(arrival - now)
+        if time.perf_counter() > deadline or time.perf_counter() - start - arrival > give_up_s:
+            break
+        began = time.perf_counter() - start
+        result = tier.generate(prompts[n % len(prompts)], new_tokens)
+        samples.append({"arrival_s": arrival, "wait_s": began - arrival,
+                        "ttft_s": began - arrival + result.ttft_s, "prefill_s": result.ttft_s,
+                        "tpot_s": result.tpot_s, "tokens": len(result.tokens)})
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {"rate": rate, "duration_s": duration, "offered": len(arrivals), "samples": samples,
+            "complete": len(samples) == len(arrivals)}
+
+
+def summarise(run):
+    s = run["samples"]
+    ttft = [x["ttft_s"] * 1e3 for x in s]
+    tpot = [x["tpot_s"] * 1e3 for x in s]
+    return {"rate": run["rate"], "n": len(s), "offered": run["offered"], "complete": run["complete"],
+            "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+            "tpot_p50_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
+            "prefill_p50_ms": percentile([x["prefill_s"] * 1e3 for x in s], 50)}
+
+
+def serve(folder, log, device, port_base=8700):
+    """`python -m colibri serve` of the packed folder on the GPU; returns (process, grpc url)."""
+    http, grpc, metrics = port_base, port_base + 1, port_base + 2
+    proc = subprocess.Popen([sys.executable, "-m", "colibri", "serve", "--weights", str(folder),
+                             *(["--device", "gpu", "--dtype", "bf16"] if device.startswith("cuda") else ["--device", "cpu"]),
+                             "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    import urllib.request
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"bench_ttft: the server exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/models/colibri_moe/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc, f"127.0.0.1:{grpc}"
+        except OSError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise SystemExit(f"bench_ttft: the server was not ready in 600 s; see {log}")
+
+
+def gib(device):
+    import torch
+    return f"{torch.cuda.memory_allocated() / 2**30:.1f}" if device.startswith("cuda") else "-"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--protocols", default="eager,inprocess,cudashm,grpc")
+    p.add_argument("--rates", default="", help="offered loads (requests/s) of the sweep beside the fixed one")
+    p.add_argument("--fixed-load", type=float, default=0.5, help="the fixed load as a fraction of eager's capacity")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    p.add_argument("--budget-ms", type=float, default=200.0)
+    p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything; later runs are cut")
+    p.add_argument("--packed", type=Path, help="folder for the fp8 layers (default OUT/../layers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="where both tiers run (cpu: a smoke test of a small shape)")
+    p.add_argument("--shape", default="{}", help="JSON of Qwen3MoeConfig settings over Qwen3-30B-A3B's")
+    args = p.parse_args(argv)
+    import torch
+    from colibri.attention import AttentionTier, expert_tier
+    t0 = time.perf_counter()
+    deadline = t0 + args.time_limit
+    args.out.mkdir(parents=True, exist_ok=True)
+    packed = args.packed or Path(os.environ.get("TMPDIR", "/tmp")) / "ttft-layers"
+    protocols = args.protocols.split(",")
+    log = lambda *a: print(f"[{time.perf_counter() - t0:6.1f} s]", *a, flush=True)  # noqa: E731
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {"device": name, "args": {k: str(v) for k, v in vars(args).items()},
+              "runs": {}}
+
+    config = ttft_model.qwen3_30b_a3b(layers=args.layers, **json.loads(args.shape))
+    model = ttft_model.build(config, args.device, torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
+    log(f"model built: {sum(p.numel() for p in model.parameters()) / 1e9:.1f} B parameters, "
+        f"{gib(args.device)} GiB")
+    rng = np.random.default_rng(args.seed)
+    prompts = [rng.integers(0, config.vocab_size, args.prompt_tokens).tolist() for _ in range(8)]
+
+    def measure(name, tier, rates):
+        tier.generate(prompts[0], 2)  # warm-up: kernels, allocator, caches
+        warm = min(tier.generate(prompts[1], 2).ttft_s for _ in range(3))
+        log(f"{name}: warm prefill {warm * 1e3:.1f} ms")
+        runs = result["runs"].setdefault(name, {"warm_prefill_ms": warm * 1e3, "points": []})
+        for rate in rates:
+            if time.perf_counter() > deadline:
+                log(f"{name}: time limit, rate {rate} not run")
+                break
+            run = open_loop(tier, rate, args.duration, prompts, args.new_tokens, args.seed, deadline)
+            runs["points"].append({**summarise(run), "samples": run["samples"]})
+            s = runs["points"][-1]
+            log(f"{name} @ {rate:.2f}/s: n={s['n']}/{s['offered']} P99 TTFT {s['ttft_p99_ms']:.0f} ms, "
+                f"P99 TPOT {s['tpot_p99_ms']:.1f} ms")
+            (args.out / "ttft.json").write_text(json.dumps(result, indent=1))
+            if rate != result.get("fixed_rate") and not (s["complete"] and s["ttft_p99_ms"] <= args.budget_ms):
+                break  # the sweep rises: past the budget, higher rates are past it too
+        return warm
+
+    sweep = [float(r) for r in args.rates.split(",") if r]
+    fixed = None
+    if "eager" in protocols:
+        warm = measure("eager", AttentionTier.eager(model), [])
+        fixed = args.fixed_load / warm
+        result["fixed_rate"] = fixed
+        measure("eager", AttentionTier.eager(model), [fixed])
+    ttft_model.pack_fp8(model, packed, log=log)
+    log(f"packed; model without experts: {gib(args.device)} GiB")
+    fixed = fixed or (sweep[0] if sweep else 1.0)
+    result["fixed_rate"] = fixed
+    rates = [fixed] + sorted(r for r in sweep if r != fixed)
+    if "inprocess" in protocols:
+        experts = expert_tier("inprocess", weights=packed, device=args.device)
+        measure("inprocess", AttentionTier(model, experts), rates)
+        experts.close()
+        del experts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    remote = [p for p in ("cudashm", "grpc") if p in protocols]
+    if remote:
+        proc, url = serve(packed, args.out / "server.log", args.device)
+        log(f"tritonserver ready at {url}")
+        try:
+            for name in remote:
+                experts = expert_tier(name, url=url, device=args.device)
+                measure(name, AttentionTier(model, experts), rates)
+                experts.close()
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    (args.out / "ttft.json").write_text(json.dumps(result, indent=1))
+    report(result, args.out, args.budget_ms)
+
+
+def report(result, out, budget_ms):
+    lines = [f"# TTFT, whole model ({result['device']})", "",
+             "| tier | offered req/s | n | P50 TTFT ms | P99 TTFT ms | P99 TPOT ms |", "|---|---|---|---|---|---|"]
+    for name, runs in result["runs"].items():
+        for s in runs["points"]:
+            lines.append(f"| {name} | {s['rate']:.2f} | {s['n']}/{s['offered']} | {s['ttft_p50_ms']:.0f} | "
+                         f"{s['ttft_p99_ms']:.0f} | {s['tpot_p99_ms']:.1f} |")
+    lines.append("")
+    fixed = result.get("fixed_rate")
+    base = next((s for s in result["runs"].get("eager", {}).get("points", []) if s["rate"] == fixed), None)
+    for name, runs in result["runs"].items():
+        ok = [s["rate"] for s in runs["points"] if s["ttft_p99_ms"] <= budget_ms and s["complete"]]
+        at = next((s for s in runs["points"] if s["rate"] == fixed), None)
+        ratio = f", P99 TTFT {at['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x eager's at {fixed:.2f}/s" \
+            if base and at else ""
+        lines.append(f"- {name}: highest offered load within P99 TTFT {budget_ms:.0f} ms: "
+                     f"{max(ok) if ok else 'none measured'}{ratio}")
+    (out / "ttft.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_ttft: no matplotlib, no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, runs in result["runs"].items():
+        pts = sorted(runs["points"], key=lambda s: s["rate"])
+        ax.plot([s["rate"] for s in pts], [s["ttft_p99_ms"] for s in pts], "o-", label=name)
+    ax.axhline(budget_ms, color="gray", ls="--", lw=1, label=f"budget {budget_ms:.0f} ms")
+    ax.set_xlabel("offered load (requests/s, Poisson)")
+    ax.set_ylabel("P99 TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"Qwen3-30B-A3B shape, whole model, {result['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
