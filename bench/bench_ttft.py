@@ -13,12 +13,13 @@ prompt of --prompt-tokens random ids, prefilled through every layer to its first
 so a request's TTFT is its wait behind earlier requests plus its own prefill, measured from its
 scheduled arrival (a late request is not excused: no coordinated omission). TPOT is the mean time of
 its later tokens. Reported per protocol and offered rate: P50/P99 TTFT and P99 TPOT with sample counts.
-The fixed offered load is --fixed-load of the eager baseline's capacity (1 / its warm prefill time),
+A tier's capacity is 1 / its warm request (prefill and every later token). The fixed offered load is
+--fixed-load of the eager baseline's capacity,
 so the baseline is loaded but not saturated; the sweep finds the highest rate whose P99 TTFT stays within
 --budget-ms.
 
     python3 bench/bench_ttft.py --out DIR [--layers 48] [--prompt-tokens 2048] [--new-tokens 16]
-        [--protocols eager,inprocess,cudashm,grpc] [--rates 2,4,8,12] [--duration 30] [--budget-ms 200]
+        [--protocols eager,inprocess,cudashm,grpc] [--sweep 0.3,0.5,0.7,0.9] [--duration 30] [--budget-ms 200]
 
 Writes DIR/ttft.json (every sample), DIR/ttft.md (the table) and DIR/ttft.png (P99 TTFT against offered
 load, when matplotlib is there). Needs a CUDA GPU with room for the bf16 model (61 GB for 48 layers),
@@ -122,8 +123,10 @@ def main(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--protocols", default="eager,inprocess,cudashm,grpc")
-    p.add_argument("--rates", default="", help="offered loads (requests/s) of the sweep beside the fixed one")
+    p.add_argument("--sweep", default="0.3,0.5,0.7,0.9",
+                   help="offered loads of the sweep, as fractions of each tier's capacity (1 / its warm request)")
     p.add_argument("--fixed-load", type=float, default=0.5, help="the fixed load as a fraction of eager's capacity")
+    p.add_argument("--fixed-rate", type=float, default=0.0, help="the fixed load in requests/s (instead)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument("--budget-ms", type=float, default=200.0)
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything; later runs are cut")
@@ -152,10 +155,15 @@ def main(argv=None):
     prompts = [rng.integers(0, config.vocab_size, args.prompt_tokens).tolist() for _ in range(8)]
 
     def measure(name, tier, rates):
+        """rates: offered loads, or a callable of the tier's capacity (1 / its warm request) giving them."""
         tier.generate(prompts[0], 2)  # warm-up: kernels, allocator, caches
-        warm = min(tier.generate(prompts[1], 2).ttft_s for _ in range(3))
-        log(f"{name}: warm prefill {warm * 1e3:.1f} ms")
-        runs = result["runs"].setdefault(name, {"warm_prefill_ms": warm * 1e3, "points": []})
+        warm = min((tier.generate(prompts[1], args.new_tokens) for _ in range(3)), key=lambda r: r.ttft_s)
+        service = warm.ttft_s + (args.new_tokens - 1) * warm.tpot_s
+        log(f"{name}: warm request {service * 1e3:.0f} ms (prefill {warm.ttft_s * 1e3:.1f} ms, "
+            f"TPOT {warm.tpot_s * 1e3:.2f} ms)")
+        rates = rates(1.0 / service) if callable(rates) else rates
+        runs = result["runs"].setdefault(name, {"warm_prefill_ms": warm.ttft_s * 1e3, "warm_tpot_ms": warm.tpot_s * 1e3,
+                                                "capacity_per_s": 1.0 / service, "points": []})
         for rate in rates:
             if time.perf_counter() > deadline:
                 log(f"{name}: time limit, rate {rate} not run")
@@ -168,20 +176,26 @@ def main(argv=None):
             (args.out / "ttft.json").write_text(json.dumps(result, indent=1))
             if rate != result.get("fixed_rate") and not (s["complete"] and s["ttft_p99_ms"] <= args.budget_ms):
                 break  # the sweep rises: past the budget, higher rates are past it too
-        return warm
+        return service
 
-    sweep = [float(r) for r in args.rates.split(",") if r]
-    fixed = None
+    sweep = [float(r) for r in args.sweep.split(",") if r]
+    fixed = args.fixed_rate or None
     if "eager" in protocols:
-        warm = measure("eager", AttentionTier.eager(model), [])
-        fixed = args.fixed_load / warm
-        result["fixed_rate"] = fixed
-        measure("eager", AttentionTier.eager(model), [fixed])
+        eager = AttentionTier.eager(model)
+
+        def eager_rates(capacity):
+            result["fixed_rate"] = fixed or round(args.fixed_load * capacity, 3)
+            return [result["fixed_rate"]]
+        measure("eager", eager, eager_rates)
+        fixed = result["fixed_rate"]
+        del eager
     ttft_model.pack_fp8(model, packed, log=log)
     log(f"packed; model without experts: {gib(args.device)} GiB")
-    fixed = fixed or (sweep[0] if sweep else 1.0)
+    fixed = fixed or 1.0
     result["fixed_rate"] = fixed
-    rates = [fixed] + sorted(r for r in sweep if r != fixed)
+
+    def rates(capacity):  # the fixed load, then the sweep's fractions of this tier's own capacity
+        return [fixed] + sorted(round(f * capacity, 3) for f in sweep)
     if "inprocess" in protocols:
         experts = expert_tier("inprocess", weights=packed, device=args.device)
         measure("inprocess", AttentionTier(model, experts), rates)
