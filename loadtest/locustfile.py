@@ -585,7 +585,6 @@ def build_tier(environment):
         _tier["protocol"] = protocol
     except Exception as exc:
         _tier["error"] = f"building the {protocol} tier: {type(exc).__name__}: {exc}"
-        logging.error("loadtest: %s", _tier["error"])
 
 
 @events.test_start.add_listener
@@ -616,6 +615,14 @@ def build_tier_at_start(environment, runner=None, **_kwargs):
     if GenerateUser in (environment.user_classes or []) and not isinstance(runner, MasterRunner):
         if environment.parsed_options is not None:
             build_tier(environment)
+        if _tier["error"] is not None and isinstance(runner, WorkerRunner):
+            logging.error("loadtest: %s", _tier["error"])
+        elif _tier["error"] is not None:
+            # one process and no tier: say so and stop now rather than run users that cannot start (a
+            # worker carries on, its users failing at start, so that its master is not left waiting)
+            sys.stderr.write(f"loadtest: {_tier['error']}\n")
+            sys.stderr.flush()
+            os._exit(2)
 
 
 class GenerateUser(User):

@@ -277,12 +277,16 @@ def main_generate(args) -> int:
         except NotReady as exc:
             print(f"loadtest: {exc}", file=sys.stderr)
             return 2
-    summary = run_generate(args.out.resolve(), tier_protocol=args.tier_protocol, tier=args.tier, hf_model=hf_model,
-                           weights=args.weights, device=args.device, host=args.host, grpc_url=args.grpc_url,
-                           triton_model=args.triton_model, arrivals=args.arrivals, arrival_rate=args.arrival_rate,
-                           users=args.users, run_time=args.time, prefill_tokens=args.prefill_tokens,
-                           new_tokens=args.new_tokens, processes=args.processes, seed=args.seed,
-                           vocab_size=args.vocab_size, quiet=args.quiet)
+    try:
+        summary = run_generate(args.out.resolve(), tier_protocol=args.tier_protocol, tier=args.tier, hf_model=hf_model,
+                               weights=args.weights, device=args.device, host=args.host, grpc_url=args.grpc_url,
+                               triton_model=args.triton_model, arrivals=args.arrivals, arrival_rate=args.arrival_rate,
+                               users=args.users, run_time=args.time, prefill_tokens=args.prefill_tokens,
+                               new_tokens=args.new_tokens, processes=args.processes, seed=args.seed,
+                               vocab_size=args.vocab_size, quiet=args.quiet)
+    except RuntimeError as exc:  # no samples: the tier could not be built, or Locust could not start
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
     print(f"\nloadtest: generate, {args.tier_protocol}, files in {args.out}/ (summary.json, samples-*.csv)")
     print(load_summary.table(summary))
     return verdict(summary)

@@ -500,3 +500,49 @@ def test_generate_closed_loop_and_the_summary_of_made_up_samples(tmp_path):
     assert text.splitlines()[-1] == "samples: 231 (no Locust final counts to check them against)"
     grpc_row = next(line for line in text.splitlines() if line.startswith("grpc ") and "generate" not in line)
     assert grpc_row.split()[:4] == ["grpc", "201", "1", "200"], grpc_row
+
+
+def test_sweep_finds_the_highest_rate_within_the_ttft_budget(tmp_path):
+    """loadtest/sweep.py: per protocol, P99 TTFT and TPOT at each offered rate, and the highest rate
+    with it and every lower rate within the budget, failures and count mismatches not eligible; a rate
+    back under budget after one over it is not capacity. Then a real sweep of the fake tier at two
+    rates: its folders, sweep.json, the table and the plot."""
+    sweep = load_script(REPO_ROOT / "loadtest" / "sweep.py")
+
+    def lv(rate, p99, failures=0, agree=True):
+        return {"offered_rps": rate, "answered_rps": rate, "requests": 200, "failures": failures, "ttft_p50_ms": p99 / 2,
+                "ttft_p99_ms": p99, "ttft_samples": 200 - failures, "tpot_p50_ms": 4.0, "tpot_p99_ms": 5.0,
+                "tpot_samples": 200, "few_samples": False, "counts_agree": agree}
+
+    assert sweep.best_rate([lv(1, 50), lv(2, 150), lv(4, 250), lv(8, 120)], 200)["best"]["offered_rps"] == 2
+    assert sweep.best_rate([lv(1, 50), lv(2, 150, failures=1)], 200)["best"]["offered_rps"] == 1
+    assert sweep.best_rate([lv(1, 50), lv(2, 150, agree=False)], 200)["best"]["offered_rps"] == 1
+    assert sweep.best_rate([lv(1, 250)], 200) == {"best": None, "lower_bound": False}
+    assert sweep.best_rate([lv(1, 50), lv(2, 60)], 200)["lower_bound"] is True
+    summary = {"counts_agree": True, "generate": {"grpc": {
+        "requests": 10, "failures": 0, "answered_rate_rps": 0.9,
+        "ttft": {"p50_ms": 5.0, "p99_ms": 9.0, "samples": 10, "few_samples": ["p99_ms"]},
+        "tpot": {"p50_ms": 1.0, "p99_ms": 2.0, "samples": 10, "few_samples": ["p99_ms"]}}}}
+    level = sweep.level(1.0, summary, "grpc")
+    assert (level["ttft_p99_ms"], level["tpot_p99_ms"], level["ttft_samples"], level["few_samples"]) == (9.0, 2.0, 10, True)
+
+    out = tmp_path / "sweep"
+    env = {**__import__("os").environ, **GENERATE_ENV, "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--protocols", "fake", "--rates", "4,8",
+         "--time", "3s", "--prefill-tokens", "64", "--new-tokens", "1", "--budget-ms", "60000", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((out / "sweep.json").read_text())
+    levels = data["protocols"]["fake"]["levels"]
+    assert [x["offered_rps"] for x in levels] == [4.0, 8.0] and all(x["ttft_samples"] > 0 for x in levels)
+    for x in levels:
+        run_summary = json.loads((out / "fake" / f"rate-{x['offered_rps']:g}" / "summary.json").read_text())
+        assert run_summary["offered_rate_rps"] == x["offered_rps"] and run_summary["counts_agree"] is True
+        assert x["ttft_p99_ms"] == run_summary["generate"]["fake"]["ttft"]["p99_ms"]
+    assert data["protocols"]["fake"]["best"]["offered_rps"] == 8.0 and data["protocols"]["fake"]["lower_bound"]
+    assert "fake       8 req/s (P99 TTFT" in result.stdout and "a lower bound" in result.stdout, result.stdout
+    assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--rates", "0,1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--rates" in bad.stderr
