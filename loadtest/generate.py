@@ -135,19 +135,25 @@ def fake_tier(protocol, options):
 
 def default_tier(protocol, options):
     """AttentionTier.from_pretrained(--tier-model) with expert_tier(protocol) (colibri.attention), or for
-    "eager" the model's own transformers MoE blocks (AttentionTier.eager), on --tier-device."""
+    "eager" the model's own transformers MoE blocks (AttentionTier.eager), on --tier-device, in
+    --tier-dtype when given (give it for a like-for-like comparison of protocols and eager)."""
     if not getattr(options, "tier_model", ""):
         raise ValueError("the generate workload needs --tier-model HF_DIR (LOADTEST_TIER_MODEL), or a tier "
                          "factory in LOADTEST_TIER=module:function")
-    from colibri.attention import AttentionTier, expert_tier
+    import torch
     device = options.tier_device
+    dtype = getattr(torch, options.tier_dtype, None) if getattr(options, "tier_dtype", "") else None
+    if getattr(options, "tier_dtype", "") and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--tier-dtype {options.tier_dtype!r}: not a torch dtype (bfloat16, float16, float32)")
+    from colibri.attention import AttentionTier, expert_tier
     if protocol == "eager":
         import transformers
-        model = transformers.AutoModelForCausalLM.from_pretrained(options.tier_model).to(device).eval()
-        return AttentionTier.eager(model)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            options.tier_model, **({"dtype": dtype} if dtype is not None else {}))
+        return AttentionTier.eager(model.to(device).eval())
     experts = expert_tier(protocol, url=options.grpc_url or None, weights=options.weights or None, device=device,
                           model=options.model)
-    return AttentionTier.from_pretrained(options.tier_model, experts, device=device)
+    return AttentionTier.from_pretrained(options.tier_model, experts, device=device, dtype=dtype)
 
 
 def load_factory(spec: str):

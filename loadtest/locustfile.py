@@ -168,6 +168,10 @@ def add_arguments(parser):
     group.add_argument("--tier-model", env_var="LOADTEST_TIER_MODEL", default="",
                        help="generate: the Hugging Face model folder")
     group.add_argument("--tier-device", env_var="LOADTEST_TIER_DEVICE", default="cpu", help="generate: cpu or cuda")
+    group.add_argument("--tier-dtype", env_var="LOADTEST_TIER_DTYPE", default="",
+                       help="generate: the attention tier's torch dtype, e.g. bfloat16 (default: the model's)")
+    group.add_argument("--tier-warmup", env_var="LOADTEST_TIER_WARMUP", type=int, default=1,
+                       help="generate: untimed requests of the longest prompt after the tier is built")
     group.add_argument("--weights", env_var="LOADTEST_WEIGHTS", default="",
                        help="generate, inprocess: the packed folder of layers")
     group.add_argument("--new-tokens", env_var="LOADTEST_NEW_TOKENS", type=int, default=16,
@@ -567,6 +571,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py beside t
 import generate as gen  # noqa: E402
 
 _tier = {"tier": None, "error": None, "protocol": None}
+_unserved = {"count": 0, "oldest_wait_s": 0.0}
+
+
+def write_unserved(environment, protocol):
+    folder = getattr(environment.parsed_options, "samples_dir", "")
+    if folder:
+        Path(folder, f"unserved-{os.getpid()}.json").write_text(json.dumps({"protocol": protocol, **_unserved}))
 _tier_lock = gevent.lock.Semaphore()  # one request on the tier at a time; gevent wakes waiters in order
 _user_numbers = itertools.count()
 
@@ -581,8 +592,12 @@ def build_tier(environment):
     protocol = options.tier_protocol
     try:
         factory = gen.load_factory(options.tier or ("fake" if protocol == "fake" else ""))
-        _tier["tier"] = factory(protocol, settings)
-        _tier["protocol"] = protocol
+        tier = factory(protocol, settings)
+        # warm-up requests of the longest prompt (one-time costs: kernels, connections, caches), not timed
+        rng, vocab = random.Random(options.seed), gen.vocab_size(tier, options.vocab_size)
+        for _ in range(options.tier_warmup):
+            tier.generate(gen.prompt_ids(rng, parse_range(options.prefill_tokens)[1], vocab), 2)
+        _tier["tier"], _tier["protocol"] = tier, protocol
     except Exception as exc:
         _tier["error"] = f"building the {protocol} tier: {type(exc).__name__}: {exc}"
 
@@ -637,15 +652,31 @@ class GenerateUser(User):
         if _tier["error"] is not None:
             raise RuntimeError(_tier["error"])
         self.tier, self.protocol = _tier["tier"], _tier["protocol"]
-        number = next(_user_numbers)
-        self.rng = random.Random(f"{options.seed}-{os.getpid()}-{number}")
+        # the same seed, the same prompts and arrivals in each process and user, run after run
+        stream = f"{options.seed}-{getattr(self.environment.runner, 'worker_index', 0)}-{next(_user_numbers)}"
+        self.rng = random.Random(f"{stream}-prompts")
         self.prompt_range = parse_range(options.prefill_tokens)
         self.vocab = gen.vocab_size(self.tier, options.vocab_size)
         self.max_new_tokens = 1 + options.new_tokens
         self.open = options.arrivals == "open"
+        self.pending = None  # an arrival drawn and not yet served
         if self.open:
             per_user = options.arrival_rate / max(1, getattr(options, "num_users", 1) or 1)
-            self.arrivals = gen.poisson_arrivals(per_user, self.rng, time.time())
+            self.arrivals = gen.poisson_arrivals(per_user, random.Random(f"{stream}-arrivals"), time.time())
+
+    def on_stop(self):
+        """Arrivals due by now and never served (a tier that could not keep up) are no samples; they are
+        counted, with the longest wait among them, in unserved-PID.json for the summary."""
+        if not getattr(self, "open", False):
+            return
+        now, waits = time.time(), []
+        arrival = self.pending if self.pending is not None else next(self.arrivals)
+        while arrival <= now:
+            waits.append(now - arrival)
+            arrival = next(self.arrivals)
+        _unserved["count"] += len(waits)
+        _unserved["oldest_wait_s"] = max([_unserved["oldest_wait_s"], *waits])
+        write_unserved(self.environment, self.protocol)
 
     def wait_time(self):
         return 0.0
@@ -653,7 +684,7 @@ class GenerateUser(User):
     @task
     def request(self):
         if self.open:
-            arrival = next(self.arrivals)
+            arrival = self.pending = next(self.arrivals)
             if arrival > time.time():
                 gevent.sleep(arrival - time.time())
         else:
@@ -661,6 +692,7 @@ class GenerateUser(User):
         prompt = gen.prompt_ids(self.rng, self.rng.randint(*self.prompt_range), self.vocab)
         with _tier_lock:
             sample = gen.serve(self.tier, arrival, prompt, self.max_new_tokens)
+        self.pending = None
         self.environment.events.request.fire(
             request_type=self.protocol, name="generate", response_time=sample.ttft_ms if not sample.error else
             (sample.end - arrival) * 1000.0, response_length=sample.new_tokens,

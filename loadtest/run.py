@@ -126,7 +126,7 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
 
 def locust_command(out: Path, user_classes, *, host: str, users: int, run_time: str, quiet: bool) -> list:
     """Locust's command line of a headless run into `out`, emptied of an earlier run's files first."""
-    for stale in list(out.glob("samples-*.csv")) + list(out.glob("locust*")) + list(out.glob("settings.json")):
+    for stale in [*out.glob("samples-*.csv"), *out.glob("locust*"), *out.glob("settings.json"), *out.glob("unserved-*.json")]:
         stale.unlink()
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *user_classes,
             "--headless", "--host", host, "--users", str(users), "--spawn-rate", str(users),
@@ -142,20 +142,24 @@ def check_samples(out: Path, result, quiet: bool) -> None:
 
 
 def run_generate(out: Path, *, tier_protocol: str = "inprocess", tier: str = "", hf_model: str = "",
-                 weights: str = "", device: str = "cpu", host: str = "http://127.0.0.1:8000", grpc_url: str = "",
+                 weights: str = "", device: str = "cpu", dtype: str = "", warmup: int = 1,
+                 host: str = "http://127.0.0.1:8000", grpc_url: str = "",
                  triton_model: str = "colibri_moe", arrivals: str = "open", arrival_rate: float = 1.0, users: int = 0,
                  run_time: str = "60s", prefill_tokens: str = "128-2048", new_tokens: int = 16, processes: int = 0,
                  seed: int = 0, vocab_size: int = 0, quiet: bool = False, title: str = "", env: dict = None) -> dict:
     """One generate run (GenerateUser) into `out`; returns the summary. users: closed-loop users, or
-    open-loop arrival streams (default: one per process, the arrival rate split evenly over them)."""
+    open-loop arrival streams (default: one per process, the arrival rate split evenly over them).
+    tier: "module:function", importable by Locust's processes (loadtest/ is on their path; put the
+    module's folder on PYTHONPATH through `env` otherwise)."""
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     users = users or max(1, processes)
     command = locust_command(out, ["GenerateUser"], host=host, users=users, run_time=run_time, quiet=quiet)
-    command += ["--tier-protocol", tier_protocol, "--tier-device", device, "--arrivals", arrivals,
+    command += ["--tier-protocol", tier_protocol, "--tier-device", device, "--tier-warmup", str(warmup),
+                "--arrivals", arrivals,
                 "--arrival-rate", repr(float(arrival_rate)), "--prefill-tokens", prefill_tokens,
                 "--new-tokens", str(new_tokens), "--seed", str(seed), "--model", triton_model]
-    for flag, value in (("--tier", tier), ("--tier-model", hf_model), ("--weights", weights),
+    for flag, value in (("--tier", tier), ("--tier-model", hf_model), ("--weights", weights), ("--tier-dtype", dtype),
                         ("--grpc-url", grpc_url), ("--vocab-size", vocab_size)):
         if value:
             command += [flag, str(value)]
@@ -191,6 +195,10 @@ def parse_args(argv):
     g.add_argument("--tier", default=env("LOADTEST_TIER", ""), help="module:function building the tier instead")
     g.add_argument("--weights", default=env("LOADTEST_WEIGHTS", ""), help="the packed folder (inprocess)")
     g.add_argument("--device", default=env("LOADTEST_TIER_DEVICE", "cpu"), help="the attention tier's device")
+    g.add_argument("--dtype", default=env("LOADTEST_TIER_DTYPE", ""),
+                   help="the attention tier's torch dtype, e.g. bfloat16 (default: the model's)")
+    g.add_argument("--warmup", type=int, default=int(env("LOADTEST_TIER_WARMUP", "1")),
+                   help="untimed requests per process before the run")
     g.add_argument("--triton-model", default=env("LOADTEST_MODEL", "colibri_moe"),
                    help="the expert tier's Triton model (grpc, cudashm)")
     g.add_argument("--arrivals", default=env("LOADTEST_ARRIVALS", "open"), choices=("open", "closed"))
@@ -279,7 +287,8 @@ def main_generate(args) -> int:
             return 2
     try:
         summary = run_generate(args.out.resolve(), tier_protocol=args.tier_protocol, tier=args.tier, hf_model=hf_model,
-                               weights=args.weights, device=args.device, host=args.host, grpc_url=args.grpc_url,
+                               weights=args.weights, device=args.device, dtype=args.dtype, warmup=args.warmup,
+                               host=args.host, grpc_url=args.grpc_url,
                                triton_model=args.triton_model, arrivals=args.arrivals, arrival_rate=args.arrival_rate,
                                users=args.users, run_time=args.time, prefill_tokens=args.prefill_tokens,
                                new_tokens=args.new_tokens, processes=args.processes, seed=args.seed,

@@ -115,10 +115,23 @@ def read_settings(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def generate_summary(samples: dict, settings: dict, duration: float) -> dict:
+def read_unserved(folder: Path) -> dict:
+    """{protocol: (arrivals due and never served when the run ended, the longest wait among them, s)}
+    from the unserved-*.json files of open-loop generate runs."""
+    found = {}
+    for path in sorted(folder.glob("unserved-*.json")):
+        data = json.loads(path.read_text())
+        count, wait = found.get(data["protocol"], (0, 0.0))
+        found[data["protocol"]] = (count + int(data["count"]), max(wait, float(data["oldest_wait_s"])))
+    return found
+
+
+def generate_summary(samples: dict, settings: dict, duration: float, unserved: dict = None) -> dict:
     """Per protocol of the generate requests: TTFT and TPOT percentiles of the successful ones, with
-    the counts behind them, the offered and the answered rate."""
-    result = {}
+    the counts behind them, the offered and the answered rate, and the arrivals still waiting when
+    the run ended (no samples: a tier that cannot keep up leaves them, and their TTFT is at least
+    that wait)."""
+    result, unserved = {}, unserved or {}
     is_generate = samples["profile"] == "generate"
     for protocol in sorted(set(samples["protocol"][is_generate].tolist())):
         mask = is_generate & (samples["protocol"] == protocol)
@@ -133,6 +146,8 @@ def generate_summary(samples: dict, settings: dict, duration: float) -> dict:
             "mean_new_tokens": float(np.mean(samples["new_tokens"][ok])) if ok.any() else None,
             "offered_rate_rps": settings.get("arrival_rate") if settings.get("arrivals") == "open" else None,
             "answered_rate_rps": float(ok.sum() / span) if span > 0 else None,
+            "unserved_at_end": unserved.get(protocol, (0, 0.0))[0],
+            "oldest_unserved_wait_ms": unserved.get(protocol, (0, 0.0))[1] * 1000.0,
         }
     return result
 
@@ -193,7 +208,7 @@ def summarize(folder: Path, prefix: str = "locust") -> dict:
         "ttft": {"what": "whole-model time to first token of generate requests, from arrival, all protocols",
                  **ttft, "protocols": sorted(set(samples["protocol"][generated].tolist()))},
         "tpot_p99_ms": tpot["p99_ms"], "tpot_samples": tpot["samples"],
-        "generate": generate_summary(samples, settings, duration),
+        "generate": generate_summary(samples, settings, duration, read_unserved(folder)),
         "layer_prefill_p99_ms": layer["p99_ms"], "layer_prefill_samples": layer["samples"],
         "layer_prefill": {"what": "one layer's latency of prefill requests (a share of TTFT, not TTFT), all protocols",
                           **layer, "protocols": sorted(set(samples["protocol"][prefill].tolist()))},
@@ -425,6 +440,10 @@ def table(summary: dict) -> str:
     if summary.get("generate"):
         lines.append("generate: time to first token (TTFT, from arrival) and per later token (TPOT), rates in req/s")
         lines += generate_table(summary)
+        for protocol, g in summary["generate"].items():
+            if g["unserved_at_end"]:
+                lines.append(f"{protocol}: {g['unserved_at_end']} arrivals still waiting when the run ended, the oldest "
+                             f"for {g['oldest_unserved_wait_ms']:.0f} ms (no samples: the tier did not keep up)")
     lines.append(ttft_line(summary))
     rows = summary["groups"] + [t] + summary["by_users"] + [summary.get("ttft") or {}, summary.get("layer_prefill") or {}]
     rows += [g[k] for g in (summary.get("generate") or {}).values() for k in ("ttft", "tpot")]

@@ -400,6 +400,10 @@ def test_fake_tier_and_factories():
             load_generate.load_factory(bad)
     with pytest.raises(ValueError, match="--tier-model"):  # the default needs a model folder, and says so
         load_generate.default_tier("inprocess", type("Options", (), {"tier_model": ""})())
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="--tier-dtype 'bf16': not a torch dtype"):
+        load_generate.default_tier("inprocess", type("Options", (), {"tier_model": "m", "tier_device": "cpu",
+                                                                     "tier_dtype": "bf16"})())
 
 
 GENERATE_ENV = {"LOADTEST_FAKE_PREFILL_S_PER_TOKEN": "0.0002", "LOADTEST_FAKE_TPOT_S": "0.04"}
@@ -486,6 +490,9 @@ def test_generate_closed_loop_and_the_summary_of_made_up_samples(tmp_path):
     with open(made / "samples-1.csv", "w", newline="") as f:
         csv.writer(f).writerows([header] + rows)
     (made / "settings.json").write_text(json.dumps({"arrivals": "open", "arrival_rate": 3.5, "users": 1}))
+    # two processes of grpc left 3 and 2 arrivals unserved at the end, the oldest waiting 0.8 s
+    (made / "unserved-1.json").write_text(json.dumps({"protocol": "grpc", "count": 3, "oldest_wait_s": 0.8}))
+    (made / "unserved-2.json").write_text(json.dumps({"protocol": "grpc", "count": 2, "oldest_wait_s": 0.5}))
     summary = load_summary.write(made)
     grpc, inprocess = summary["generate"]["grpc"], summary["generate"]["inprocess"]
     assert grpc["requests"] == 201 and grpc["failures"] == 1 and grpc["ttft"]["samples"] == 200
@@ -495,7 +502,10 @@ def test_generate_closed_loop_and_the_summary_of_made_up_samples(tmp_path):
     assert inprocess["ttft"]["few_samples"] == ["p99_ms"] and inprocess["ttft"]["samples"] == 30
     assert summary["ttft_samples"] == 230 and summary["tpot_samples"] == 200
     assert summary["counts"] == {"samples": 231, "locust": None, "agree": None}
+    assert (grpc["unserved_at_end"], grpc["oldest_unserved_wait_ms"]) == (5, 800.0)
+    assert (inprocess["unserved_at_end"], inprocess["oldest_unserved_wait_ms"]) == (0, 0.0)
     text = load_summary.table(summary)
+    assert "grpc: 5 arrivals still waiting when the run ended, the oldest for 800 ms" in text, text
     assert "open-loop Poisson arrivals, 3.5 req/s offered" in text
     assert text.splitlines()[-1] == "samples: 231 (no Locust final counts to check them against)"
     grpc_row = next(line for line in text.splitlines() if line.startswith("grpc ") and "generate" not in line)
@@ -519,6 +529,9 @@ def test_sweep_finds_the_highest_rate_within_the_ttft_budget(tmp_path):
     assert sweep.best_rate([lv(1, 50), lv(2, 150, agree=False)], 200)["best"]["offered_rps"] == 1
     assert sweep.best_rate([lv(1, 250)], 200) == {"best": None, "lower_bound": False}
     assert sweep.best_rate([lv(1, 50), lv(2, 60)], 200)["lower_bound"] is True
+    # arrivals left waiting longer than the budget: over it, whatever the served requests' P99
+    assert sweep.best_rate([lv(1, 50), {**lv(2, 60), "unserved": 4, "oldest_unserved_wait_ms": 900.0}], 200)["best"][
+        "offered_rps"] == 1
     summary = {"counts_agree": True, "generate": {"grpc": {
         "requests": 10, "failures": 0, "answered_rate_rps": 0.9,
         "ttft": {"p50_ms": 5.0, "p99_ms": 9.0, "samples": 10, "few_samples": ["p99_ms"]},
@@ -546,3 +559,52 @@ def test_sweep_finds_the_highest_rate_within_the_ttft_budget(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--rates", "0,1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rates" in bad.stderr
+
+
+def test_default_tier_builds_colibri_attention_as_api53_says(monkeypatch):
+    """The default factory against a stand-in colibri.attention (the real one is built and tested with
+    the attention tier itself): expert_tier(protocol, url, weights, device, model), then
+    AttentionTier.from_pretrained(model folder, experts, device, dtype); eager: transformers' model,
+    in the dtype asked for, wrapped by AttentionTier.eager."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import types
+    calls = []
+
+    class AttentionTier:
+        @classmethod
+        def from_pretrained(cls, model_dir, experts, device="cpu", dtype=None):
+            calls.append(("from_pretrained", model_dir, experts, device, dtype))
+            return "tier"
+
+        @classmethod
+        def eager(cls, model):
+            calls.append(("eager", model))
+            return "eager tier"
+
+    def expert_tier(protocol, *, url=None, weights=None, device="cpu", model="colibri_moe"):
+        calls.append(("expert_tier", protocol, url, weights, device, model))
+        return "experts"
+
+    class Model:
+        def to(self, device):
+            calls.append(("to", device))
+            return self
+
+        def eval(self):
+            return self
+
+    fake = types.ModuleType("colibri.attention")
+    fake.AttentionTier, fake.expert_tier = AttentionTier, expert_tier
+    monkeypatch.setitem(sys.modules, "colibri.attention", fake)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda path, **kw: calls.append(("hf", path, kw)) or Model())
+    options = type("Options", (), {"tier_model": "/models/qwen", "tier_device": "cuda", "tier_dtype": "bfloat16",
+                                   "grpc_url": "10.0.0.2:8001", "weights": "", "model": "colibri_moe"})()
+    assert load_generate.default_tier("grpc", options) == "tier"
+    assert calls == [("expert_tier", "grpc", "10.0.0.2:8001", None, "cuda", "colibri_moe"),
+                     ("from_pretrained", "/models/qwen", "experts", "cuda", torch.bfloat16)]
+    calls.clear()
+    assert load_generate.default_tier("eager", options) == "eager tier"
+    assert calls[0] == ("hf", "/models/qwen", {"dtype": torch.bfloat16}) and calls[1] == ("to", "cuda")
+    assert calls[2][0] == "eager" and len(calls) == 3
