@@ -55,7 +55,8 @@ process queue for it (that wait is in their TTFT). For more concurrency, more pr
 each with its own tier. Locust's request name is "generate", its response time the TTFT.
 
 With a master and workers (or --processes), each worker writes its own samples file and the master
-none; when the test stops the master asks every worker to stop its users, flush its samples and send
+none (workers started on their own build their tier from their own command line: give them the same
+generate options; the arrival rate per user comes from the master); when the test stops the master asks every worker to stop its users, flush its samples and send
 its last statistics, and waits for all of them before Locust's final counts are taken (Locust's own
 quit waits 0.5 s for them, and drops what arrives later). With workers on other hosts, copy their
 samples-*.csv into one folder for loadtest/summary.py.
@@ -571,13 +572,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py beside t
 import generate as gen  # noqa: E402
 
 _tier = {"tier": None, "error": None, "protocol": None}
-_unserved = {"count": 0, "oldest_wait_s": 0.0}
+_unserved = {"count": 0, "oldest_wait_s": 0.0, "stopping_at": None}
+
+
+@events.test_stopping.add_listener
+def note_the_end(**_kwargs):
+    """When this process was told to stop: arrivals after it are not the run's."""
+    if _unserved["stopping_at"] is None:
+        _unserved["stopping_at"] = time.time()
 
 
 def write_unserved(environment, protocol):
     folder = getattr(environment.parsed_options, "samples_dir", "")
     if folder:
-        Path(folder, f"unserved-{os.getpid()}.json").write_text(json.dumps({"protocol": protocol, **_unserved}))
+        Path(folder, f"unserved-{os.getpid()}.json").write_text(json.dumps({
+            "protocol": protocol, "count": _unserved["count"], "oldest_wait_s": _unserved["oldest_wait_s"]}))
 _tier_lock = gevent.lock.Semaphore()  # one request on the tier at a time; gevent wakes waiters in order
 _user_numbers = itertools.count()
 
@@ -600,6 +609,15 @@ def build_tier(environment):
         _tier["tier"], _tier["protocol"] = tier, protocol
     except Exception as exc:
         _tier["error"] = f"building the {protocol} tier: {type(exc).__name__}: {exc}"
+
+
+@events.test_start.add_listener
+def share_arrival_rate(environment, **_kwargs):
+    """Each open-loop stream's rate, --arrival-rate over the run's users, as the master (or the only
+    process) knows them: it reaches workers with the master's options, whatever -u they were given."""
+    options = environment.parsed_options
+    if options is not None and not isinstance(environment.runner, WorkerRunner):
+        options.arrival_rate_per_user = options.arrival_rate / max(1, options.num_users or 1)
 
 
 @events.test_start.add_listener
@@ -661,15 +679,17 @@ class GenerateUser(User):
         self.open = options.arrivals == "open"
         self.pending = None  # an arrival drawn and not yet served
         if self.open:
-            per_user = options.arrival_rate / max(1, getattr(options, "num_users", 1) or 1)
+            per_user = getattr(options, "arrival_rate_per_user", 0.0) or options.arrival_rate / max(
+                1, getattr(options, "num_users", 1) or 1)
             self.arrivals = gen.poisson_arrivals(per_user, random.Random(f"{stream}-arrivals"), time.time())
 
     def on_stop(self):
-        """Arrivals due by now and never served (a tier that could not keep up) are no samples; they are
-        counted, with the longest wait among them, in unserved-PID.json for the summary."""
+        """Arrivals due before the process was told to stop and never served (a tier that could not keep
+        up) are no samples; they are counted, with the longest wait among them up to that moment, in
+        unserved-PID.json for the summary."""
         if not getattr(self, "open", False):
             return
-        now, waits = time.time(), []
+        now, waits = _unserved["stopping_at"] or time.time(), []
         arrival = self.pending if self.pending is not None else next(self.arrivals)
         while arrival <= now:
             waits.append(now - arrival)
