@@ -179,6 +179,13 @@ def main(argv=None) -> int:
     if not args.model and not args.tier and set(protocols) - {"fake"}:
         print("sweep: give --model HF_DIR (or --tier module:function)", file=sys.stderr)
         return 2
+    if set(protocols) & {"grpc", "cudashm"}:
+        try:
+            load_run.check_grpc_ready(load_run.grpc_address(args.host, args.grpc_url), args.triton_model,
+                                      bool(args.grpc_url))
+        except load_run.NotReady as exc:
+            print(f"sweep: {exc}", file=sys.stderr)
+            return 2
     result = sweep(args.out.resolve(), protocols, rates, budget_ms=args.budget_ms, give_up_factor=args.give_up_factor,
                    title=args.title, tier=args.tier, hf_model=args.model, weights=args.weights, device=args.device,
                    dtype=args.dtype, warmup=args.warmup,

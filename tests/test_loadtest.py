@@ -559,6 +559,14 @@ def test_sweep_finds_the_highest_rate_within_the_ttft_budget(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--rates", "0,1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rates" in bad.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    nobody = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--protocols", "inprocess,grpc",
+                             "--model", "m", "--rates", "1", "--grpc-url", f"127.0.0.1:{port}", "--out", str(tmp_path / "x")],
+                            capture_output=True, text=True, timeout=60)
+    assert nobody.returncode == 2 and f"gRPC at 127.0.0.1:{port}" in nobody.stderr, nobody.stderr
+    assert not (tmp_path / "x").exists(), "nothing is run when a protocol's server does not answer"
 
 
 def test_default_tier_builds_colibri_attention_as_api53_says(monkeypatch):
