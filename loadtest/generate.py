@@ -102,12 +102,14 @@ class FakeResult:
 class FakeTier:
     """The load generator's own check: computes nothing, takes prefill_s_per_token per prompt token to
     the first token and tpot_s per later token (slept, so other greenlets of the process run meanwhile,
-    as they do while a real tier waits on the expert tier), and answers token ids derived from the prompt."""
+    as they do while a real tier waits on the expert tier; busy: spinning instead, holding the process
+    as a tier computing on the CPU does), and answers token ids derived from the prompt."""
     vocab_size = 1000
 
-    def __init__(self, prefill_s_per_token: float = 1e-5, tpot_s: float = 0.002, sleep=None, clock=time.perf_counter):
+    def __init__(self, prefill_s_per_token: float = 1e-5, tpot_s: float = 0.002, sleep=None, clock=time.perf_counter,
+                 busy: bool = False):
         self.prefill_s_per_token, self.tpot = prefill_s_per_token, tpot_s
-        self.sleep, self.clock = sleep or time.sleep, clock
+        self.sleep, self.clock = sleep or (spin if busy else time.sleep), clock
         self.calls = 0
 
     def generate(self, prompt_ids, max_new_tokens: int) -> FakeResult:
@@ -125,12 +127,21 @@ class FakeTier:
                           prompt_tokens=len(prompt_ids))
 
 
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def fake_tier(protocol, options):
     """FakeTier with the service times of LOADTEST_FAKE_PREFILL_S_PER_TOKEN and LOADTEST_FAKE_TPOT_S
-    (tests set them), sleeping through gevent when Locust has patched time.sleep."""
+    (tests set them), sleeping through gevent when Locust has patched time.sleep, or spinning with
+    LOADTEST_FAKE_BUSY=1, after LOADTEST_FAKE_BUILD_S seconds of spinning (a slow build)."""
     import os
+    spin(float(os.environ.get("LOADTEST_FAKE_BUILD_S", "0")))
     return FakeTier(float(os.environ.get("LOADTEST_FAKE_PREFILL_S_PER_TOKEN", "1e-5")),
-                    float(os.environ.get("LOADTEST_FAKE_TPOT_S", "0.002")))
+                    float(os.environ.get("LOADTEST_FAKE_TPOT_S", "0.002")),
+                    busy=os.environ.get("LOADTEST_FAKE_BUSY") == "1")
 
 
 def default_tier(protocol, options):

@@ -643,11 +643,30 @@ def write_settings(environment, **_kwargs):
     (Path(folder) / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
 
 
+@events.quitting.add_listener
+def close_tier(**_kwargs):
+    """The tier's connections and shared-memory regions (a cudashm tier's are registered with Triton)."""
+    tier, _tier["tier"] = _tier["tier"], None
+    if tier is not None and hasattr(tier, "close"):
+        try:
+            tier.close()
+        except Exception as exc:  # the run's results are in; say it and go
+            logging.warning("loadtest: closing the tier: %s", exc)
+
+
+def fresh_loop_time():
+    """gevent's loop reads the clock once per turn: after a call that held the process (building the tier,
+    a request computed on the CPU) a timer made now would count from a stale time and fire that much early
+    (Locust's run-time limit fired 5 ms after it was set, behind a 10 s tier build)."""
+    gevent.get_hub().loop.update_now()
+
+
 @events.init.add_listener
 def build_tier_at_start(environment, runner=None, **_kwargs):
     if GenerateUser in (environment.user_classes or []) and not isinstance(runner, MasterRunner):
         if environment.parsed_options is not None:
             build_tier(environment)
+            fresh_loop_time()
         if _tier["error"] is not None and isinstance(runner, WorkerRunner):
             logging.error("loadtest: %s", _tier["error"])
         elif _tier["error"] is not None:
@@ -703,9 +722,13 @@ class GenerateUser(User):
 
     @task
     def request(self):
+        # A tier computing on the CPU never yields, and the gevent.sleep(0) between tasks runs no timers:
+        # without this, Locust's run-time timer (and a worker's heartbeats) waited for minutes.
+        gevent.idle()
         if self.open:
             arrival = self.pending = next(self.arrivals)
-            if arrival > time.time():
+            while arrival > time.time():  # never before the arrival: a timer can fire early (fresh_loop_time)
+                fresh_loop_time()
                 gevent.sleep(arrival - time.time())
         else:
             arrival = time.time()

@@ -616,3 +616,26 @@ def test_default_tier_builds_colibri_attention_as_api53_says(monkeypatch):
     assert load_generate.default_tier("eager", options) == "eager tier"
     assert calls[0] == ("hf", "/models/qwen", {"dtype": torch.bfloat16}) and calls[1] == ("to", "cuda")
     assert calls[2][0] == "eager" and len(calls) == 3
+
+
+def test_a_tier_holding_the_process_keeps_the_run_time_and_the_schedule(tmp_path):
+    """A tier that computes on the CPU holds the load generator's only thread (a fake one spinning, built
+    in 3 s of spinning): the run still lasts its --time (gevent's timers were starved: Locust's run-time
+    limit fired at once after a slow build, or minutes late between requests), and no request is served
+    before its arrival (each TTFT at least the tier's own prefill)."""
+    out = tmp_path / "busy"
+    env = {**__import__("os").environ, "LOADTEST_FAKE_BUSY": "1", "LOADTEST_FAKE_BUILD_S": "3",
+           "LOADTEST_FAKE_PREFILL_S_PER_TOKEN": "0.0002", "LOADTEST_FAKE_TPOT_S": "0.01",
+           "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(RUN), "--workload", "generate", "--tier-protocol", "fake", "--arrival-rate", "8",
+         "--time", "4s", "--prefill-tokens", "200", "--new-tokens", "2", "--warmup", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [r for f in out.glob("samples-*.csv") for r in csv.DictReader(open(f, newline=""))]
+    arrivals = sorted(float(r["arrival_time"]) for r in rows)
+    ends = [float(r["end_time"]) for r in rows]
+    assert 12 <= len(rows) <= 60, len(rows)  # 8 per second for 4 s, give or take Poisson and the stop
+    assert 2.5 <= arrivals[-1] - arrivals[0] <= 4.5 and max(ends) - arrivals[0] <= 5.0, (arrivals[0], arrivals[-1], max(ends))
+    for row in rows:
+        assert float(row["ttft_ms"]) >= 200 * 0.2 - 0.5, row  # the wait from arrival is never negative
