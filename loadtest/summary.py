@@ -149,6 +149,10 @@ def generate_summary(samples: dict, settings: dict, duration: float, unserved: d
             "unserved_at_end": unserved.get(protocol, (0, 0.0))[0],
             "oldest_unserved_wait_ms": unserved.get(protocol, (0, 0.0))[1] * 1000.0,
         }
+        figures = result[protocol]  # the headline figures flat as well: ttft_p99_ms, tpot_p99_ms, ...
+        for metric in ("ttft", "tpot"):
+            figures.update({f"{metric}_{key}": value for key, value in figures[metric].items() if key.endswith("_ms")},
+                           **{f"{metric}_samples": figures[metric]["samples"]})
     return result
 
 

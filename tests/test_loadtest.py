@@ -498,6 +498,8 @@ def test_generate_closed_loop_and_the_summary_of_made_up_samples(tmp_path):
     assert grpc["requests"] == 201 and grpc["failures"] == 1 and grpc["ttft"]["samples"] == 200
     assert grpc["ttft"]["p50_ms"] == 199.0 and grpc["ttft"]["p90_ms"] == 279.0 and grpc["ttft"]["p99_ms"] == 297.0
     assert grpc["tpot"]["p99_ms"] == pytest.approx(6.97) and grpc["offered_rate_rps"] == 3.5
+    assert (grpc["ttft_p50_ms"], grpc["ttft_p90_ms"], grpc["ttft_p99_ms"], grpc["ttft_samples"]) == (199.0, 279.0, 297.0, 200)
+    assert grpc["tpot_p99_ms"] == grpc["tpot"]["p99_ms"] and grpc["tpot_samples"] == 200
     assert inprocess["tpot"]["samples"] == 0 and inprocess["tpot"]["p99_ms"] is None  # one token each: no TPOT
     assert inprocess["ttft"]["few_samples"] == ["p99_ms"] and inprocess["ttft"]["samples"] == 30
     assert summary["ttft_samples"] == 230 and summary["tpot_samples"] == 200
