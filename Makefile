@@ -252,7 +252,8 @@ examples: $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO)
 	  $(BUILD)/examples/hello_colibri $(EXAMPLE_DEMO) --device cuda; fi
 
 # Headless Locust against a server already up (`make serve`; it starts none): Locust's CSVs,
-# summary.json, latency.png and the table (P99 time-to-first-token first), in LOADTEST_OUT.
+# summary.json, latency.png and the table (one layer's P99 latencies), in LOADTEST_OUT. The whole-model
+# generate workload and its sweep: README "Serving a whole model", loadtest/run.py --help.
 # LOADTEST_STEPS=1,4,16,64 steps the users (LOADTEST_STEP_TIME s each) for P99 against concurrency.
 # gRPC goes to LOADTEST_HOST's host on port 8001; LOADTEST_GRPC_URL=HOST:PORT sends it elsewhere.
 # LOADTEST_PROTOCOLS=grpc,http,cudashm picks the users. Settings: loadtest/run.py --help.

@@ -34,9 +34,38 @@ cupy-cuda11x on CUDA 11 drivers) and the colibri package, whose colibri.serving.
 without them the run stops at once with one line saying what is missing. This file imports none of
 them unless CudaShmUser is asked for, so GrpcUser and HttpUser run anywhere (the compose loadtest image
 has neither a GPU nor colibri).
+
+Those users time one layer: their latency is that layer's, not a model's time to first token. The
+`generate` workload (GenerateUser, loadtest/generate.py) times what a user feels: a prompt of random
+token ids (lengths from --prefill-tokens) through every layer to its first new token (TTFT), then
+--new-tokens more (TPOT), run by an attention tier built once in each load-generating process:
+  --tier          LOADTEST_TIER          module:function building the tier, called (protocol, options);
+                                         default: AttentionTier.from_pretrained(--tier-model)
+  --tier-protocol LOADTEST_TIER_PROTOCOL inprocess, grpc, cudashm (the expert tier's transport), eager
+                                         (transformers' own MoE blocks: the baseline) or fake [inprocess]
+  --tier-model    LOADTEST_TIER_MODEL    the Hugging Face model folder; --weights the packed folder
+                                         (inprocess); --tier-device cpu or cuda; --model and --grpc-url
+                                         name the Triton model and endpoint (grpc, cudashm)
+  --arrivals      LOADTEST_ARRIVALS      open: Poisson arrivals at --arrival-rate requests per second in
+                                         all (split evenly over the users), TTFT counted from each
+                                         scheduled arrival; closed: each user sends its next request when
+                                         the last is answered [open]
+A process has one tier and serves its requests one at a time, first come first served: users of one
+process queue for it (that wait is in their TTFT). For more concurrency, more processes (--processes),
+each with its own tier. Locust's request name is "generate", its response time the TTFT.
+
+With a master and workers (or --processes), each worker writes its own samples file and the master
+none (workers started on their own build their tier from their own command line: give them the same
+generate options; the arrival rate per user comes from the master); when the test stops the master asks every worker to stop its users, flush its samples and send
+its last statistics, and waits for all of them before Locust's final counts are taken (Locust's own
+quit waits 0.5 s for them, and drops what arrives later). With workers on other hosts, copy their
+samples-*.csv into one folder for loadtest/summary.py.
 """
 import atexit
 import csv
+import itertools
+import json
+import logging
 import os
 import random
 import sys
@@ -49,6 +78,9 @@ from urllib.parse import urlsplit
 # threads and must be told to hand its waits to gevent, before any channel exists, or one user's
 # blocking call stalls every greenlet in the process.
 from locust import LoadTestShape, User, constant_throughput, events, task
+from locust.runners import MasterRunner, WorkerRunner
+import gevent
+import gevent.lock
 import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
@@ -130,6 +162,29 @@ def add_arguments(parser):
                        help="write one CSV row per request into this folder")
     group.add_argument("--rate", env_var="LOADTEST_RATE", type=float, default=0.0,
                        help="requests per second per user (fixed offered load); 0: closed loop")
+    group.add_argument("--tier", env_var="LOADTEST_TIER", default="",
+                       help="generate: module:function building the attention tier (default: from --tier-model)")
+    group.add_argument("--tier-protocol", env_var="LOADTEST_TIER_PROTOCOL", default="inprocess",
+                       help="generate: inprocess, grpc, cudashm, eager or fake")
+    group.add_argument("--tier-model", env_var="LOADTEST_TIER_MODEL", default="",
+                       help="generate: the Hugging Face model folder")
+    group.add_argument("--tier-device", env_var="LOADTEST_TIER_DEVICE", default="cpu", help="generate: cpu or cuda")
+    group.add_argument("--tier-dtype", env_var="LOADTEST_TIER_DTYPE", default="",
+                       help="generate: the attention tier's torch dtype, e.g. bfloat16 (default: the model's)")
+    group.add_argument("--tier-warmup", env_var="LOADTEST_TIER_WARMUP", type=int, default=1,
+                       help="generate: untimed requests of the longest prompt after the tier is built")
+    group.add_argument("--weights", env_var="LOADTEST_WEIGHTS", default="",
+                       help="generate, inprocess: the packed folder of layers")
+    group.add_argument("--new-tokens", env_var="LOADTEST_NEW_TOKENS", type=int, default=16,
+                       help="generate: tokens after the first (TPOT); a request asks for 1 + this many")
+    group.add_argument("--vocab-size", env_var="LOADTEST_VOCAB_SIZE", type=int, default=0,
+                       help="generate: prompt token ids below this (default: the tier's vocabulary)")
+    group.add_argument("--arrivals", env_var="LOADTEST_ARRIVALS", default="open", choices=("open", "closed"),
+                       help="generate: open (Poisson at --arrival-rate) or closed (each user waits for its answer)")
+    group.add_argument("--arrival-rate", env_var="LOADTEST_ARRIVAL_RATE", type=float, default=1.0,
+                       help="generate, open: requests per second offered in all, split over the users")
+    group.add_argument("--seed", env_var="LOADTEST_SEED", type=int, default=0,
+                       help="generate: seed of arrivals and prompts (with the process and user number)")
 
 
 @events.test_start.add_listener
@@ -140,6 +195,10 @@ def check_options(environment, **_kwargs):
         parse_range(options.prefill_tokens)
         if not options.rate >= 0:
             raise ValueError(f"--rate {options.rate}: expected requests per second per user, >= 0")
+        if options.new_tokens < 0:
+            raise ValueError(f"--new-tokens {options.new_tokens}: expected >= 0")
+        if options.arrivals == "open" and not 0 < options.arrival_rate < float("inf"):
+            raise ValueError(f"--arrival-rate {options.arrival_rate}: expected requests per second, > 0")
 
 
 # --- the model, as the server describes it ---------------------------------------------------------
@@ -194,20 +253,72 @@ _samples = {"writer": None, "file": None}
 def open_samples(environment, **_kwargs):
     options = environment.parsed_options
     folder = getattr(options, "samples_dir", "") if options is not None else ""
-    if not folder or _samples["file"] is not None:
-        return
+    if not folder or _samples["file"] is not None or isinstance(environment.runner, MasterRunner):
+        return  # the master runs no users: only the processes that do write samples
     Path(folder).mkdir(parents=True, exist_ok=True)
     # One file per process: with --processes each worker writes its own.
     _samples["file"] = open(Path(folder) / f"samples-{os.getpid()}.csv", "w", newline="")
     _samples["writer"] = csv.writer(_samples["file"])
-    _samples["writer"].writerow(["end_time", "protocol", "profile", "tokens", "latency_ms", "failed"])
+    _samples["writer"].writerow(SAMPLE_COLUMNS)
+    _samples["rows"] = 0
+
+
+# Layer requests fill the first six; a generate request all of them (latency_ms: its TTFT).
+SAMPLE_COLUMNS = ["end_time", "protocol", "profile", "tokens", "latency_ms", "failed",
+                  "arrival_time", "ttft_ms", "tpot_ms", "new_tokens", "error"]
 
 
 @events.request.add_listener
 def write_sample(request_type, name, response_time, exception=None, context=None, **_kwargs):
     if _samples["writer"] is not None:
-        _samples["writer"].writerow([f"{time.time():.6f}", request_type, name, (context or {}).get("tokens", ""),
-                                     f"{response_time:.4f}", int(exception is not None)])
+        context = context or {}
+        sample = context.get("sample")
+        extra = ["", "", "", "", ""] if sample is None else [
+            f"{sample.arrival:.6f}", f"{sample.ttft_ms:.4f}", f"{sample.tpot_ms:.4f}", sample.new_tokens,
+            sample.error.replace("\n", " ")]
+        _samples["writer"].writerow([f"{time.time():.6f}", request_type, name, context.get("tokens", ""),
+                                     f"{response_time:.4f}", int(exception is not None), *extra])
+        _samples["rows"] += 1
+
+
+# --- every worker's last statistics before Locust's final counts -----------------------------------
+
+FLUSH_TIMEOUT_S = 60.0  # past the stop timeout: a worker still silent by then is named as such
+
+
+@events.init.add_listener
+def register_flush(environment, runner=None, **_kwargs):
+    """A worker asked to flush stops its users (the answers in flight come in), writes its samples to
+    disk, sends Locust its statistics and then says how many samples it wrote; the master asks every
+    worker when the test stops and waits for all of them. Without this, what a worker did in its last
+    report interval (up to 3 s) and its requests in flight reach Locust after the master has stopped
+    listening (it waits 0.5 s), and Locust's totals fall short of the samples."""
+    if isinstance(runner, WorkerRunner):
+        def flush(environment, msg, **_kw):
+            runner.stop()
+            if _samples["file"] is not None:
+                _samples["file"].flush()
+            runner._send_stats()  # Locust's own final-report call (its quit makes the same one)
+            runner.send_message("colibri_flushed", {"samples": _samples.get("rows", 0)})
+        runner.register_message("colibri_flush", flush, concurrent=True)
+    elif isinstance(runner, MasterRunner):
+        flushed = {}
+        runner.register_message("colibri_flushed", lambda environment, msg, **_kw: flushed.__setitem__(
+            msg.node_id, msg.data["samples"]))
+
+        @environment.events.test_stopping.add_listener
+        def ask_workers(**_kw):
+            flushed.clear()
+            workers = [client.id for client in runner.clients.all]
+            for worker in workers:
+                runner.send_message("colibri_flush", None, worker)
+            deadline = time.monotonic() + environment.stop_timeout + FLUSH_TIMEOUT_S
+            while set(workers) - set(flushed) and time.monotonic() < deadline:
+                gevent.sleep(0.05)
+            missing = set(workers) - set(flushed)
+            if missing:
+                logging.error("loadtest: no final report from worker(s) %s: Locust's counts will miss their last "
+                              "requests", ", ".join(sorted(missing)))
 
 
 @events.quitting.add_listener
@@ -453,3 +564,180 @@ if os.environ.get("LOADTEST_STEPS"):
             if step >= len(self.steps):
                 return None
             return self.steps[step], max(self.steps)  # spawn at once: each step is a level, not a ramp
+
+
+# --- the generate workload: whole-model requests through an attention tier -------------------------
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # generate.py beside this file, for Locust too
+import generate as gen  # noqa: E402
+
+_tier = {"tier": None, "error": None, "protocol": None}
+_unserved = {"count": 0, "oldest_wait_s": 0.0, "stopping_at": None}
+
+
+@events.test_stopping.add_listener
+def note_the_end(**_kwargs):
+    """When this process was told to stop: arrivals after it are not the run's."""
+    if _unserved["stopping_at"] is None:
+        _unserved["stopping_at"] = time.time()
+
+
+def write_unserved(environment, protocol):
+    folder = getattr(environment.parsed_options, "samples_dir", "")
+    if folder:
+        Path(folder, f"unserved-{os.getpid()}.json").write_text(json.dumps({
+            "protocol": protocol, "count": _unserved["count"], "oldest_wait_s": _unserved["oldest_wait_s"]}))
+_tier_lock = gevent.lock.Semaphore()  # one request on the tier at a time; gevent wakes waiters in order
+_user_numbers = itertools.count()
+
+
+def build_tier(environment):
+    """The process's tier, built once (before the first user starts, so the build is not in the run)."""
+    if _tier["tier"] is not None or _tier["error"] is not None:
+        return
+    options = environment.parsed_options
+    settings = type(options)(**vars(options))
+    settings.grpc_url = grpc_address(environment.host or TritonUser.host, options.grpc_url)
+    protocol = options.tier_protocol
+    try:
+        factory = gen.load_factory(options.tier or ("fake" if protocol == "fake" else ""))
+        tier = factory(protocol, settings)
+        # warm-up requests of the longest prompt (one-time costs: kernels, connections, caches), not timed
+        rng, vocab = random.Random(options.seed), gen.vocab_size(tier, options.vocab_size)
+        for _ in range(options.tier_warmup):
+            tier.generate(gen.prompt_ids(rng, parse_range(options.prefill_tokens)[1], vocab), 2)
+        _tier["tier"], _tier["protocol"] = tier, protocol
+    except Exception as exc:
+        _tier["error"] = f"building the {protocol} tier: {type(exc).__name__}: {exc}"
+
+
+@events.test_start.add_listener
+def share_arrival_rate(environment, **_kwargs):
+    """Each open-loop stream's rate, --arrival-rate over the run's users, as the master (or the only
+    process) knows them: it reaches workers with the master's options, whatever -u they were given."""
+    options = environment.parsed_options
+    if options is not None and not isinstance(environment.runner, WorkerRunner):
+        options.arrival_rate_per_user = options.arrival_rate / max(1, options.num_users or 1)
+
+
+@events.test_start.add_listener
+def write_settings(environment, **_kwargs):
+    """settings.json beside the samples (by the master, or the only process): what summary.py cannot
+    tell from the samples, the arrival mode and the offered rate above all."""
+    options = environment.parsed_options
+    folder = getattr(options, "samples_dir", "") if options is not None else ""
+    if not folder or isinstance(environment.runner, WorkerRunner):
+        return
+    classes = [cls.__name__ for cls in environment.user_classes or []]
+    settings = {"user_classes": classes, "users": options.num_users, "prefill_tokens": options.prefill_tokens,
+                "processes": getattr(options, "expect_workers", None) if isinstance(environment.runner, MasterRunner)
+                else 1}
+    if "GenerateUser" in classes:
+        tier = options.tier or ("fake" if options.tier_protocol == "fake" else "default")
+        settings.update(arrivals=options.arrivals, tier_protocol=options.tier_protocol, tier=tier,
+                        new_tokens=options.new_tokens, seed=options.seed,
+                        **({"arrival_rate": options.arrival_rate} if options.arrivals == "open" else {}))
+    else:
+        settings.update(arrivals="per-user rate" if options.rate > 0 else "closed", rate_per_user=options.rate)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "settings.json").write_text(json.dumps(settings, indent=2) + "\n")
+
+
+@events.quitting.add_listener
+def close_tier(**_kwargs):
+    """The tier's connections and shared-memory regions (a cudashm tier's are registered with Triton)."""
+    tier, _tier["tier"] = _tier["tier"], None
+    if tier is not None and hasattr(tier, "close"):
+        try:
+            tier.close()
+        except Exception as exc:  # the run's results are in; say it and go
+            logging.warning("loadtest: closing the tier: %s", exc)
+
+
+def fresh_loop_time():
+    """gevent's loop reads the clock once per turn: after a call that held the process (building the tier,
+    a request computed on the CPU) a timer made now would count from a stale time and fire that much early
+    (Locust's run-time limit fired 5 ms after it was set, behind a 10 s tier build)."""
+    gevent.get_hub().loop.update_now()
+
+
+@events.init.add_listener
+def build_tier_at_start(environment, runner=None, **_kwargs):
+    if GenerateUser in (environment.user_classes or []) and not isinstance(runner, MasterRunner):
+        if environment.parsed_options is not None:
+            build_tier(environment)
+            fresh_loop_time()
+        if _tier["error"] is not None and isinstance(runner, WorkerRunner):
+            logging.error("loadtest: %s", _tier["error"])
+        elif _tier["error"] is not None:
+            # one process and no tier: say so and stop now rather than run users that cannot start (a
+            # worker carries on, its users failing at start, so that its master is not left waiting)
+            sys.stderr.write(f"loadtest: {_tier['error']}\n")
+            sys.stderr.flush()
+            os._exit(2)
+
+
+class GenerateUser(User):
+    """Whole-model requests through the process's attention tier (see the module docstring): open-loop
+    Poisson arrivals at --arrival-rate / users each, or a closed loop; every request waits its turn on the
+    tier, first come first served, and that wait is part of its TTFT."""
+    host = "http://127.0.0.1:8000"
+
+    def on_start(self):
+        options = self.environment.parsed_options
+        build_tier(self.environment)
+        if _tier["error"] is not None:
+            raise RuntimeError(_tier["error"])
+        self.tier, self.protocol = _tier["tier"], _tier["protocol"]
+        # the same seed, the same prompts and arrivals in each process and user, run after run
+        stream = f"{options.seed}-{getattr(self.environment.runner, 'worker_index', 0)}-{next(_user_numbers)}"
+        self.rng = random.Random(f"{stream}-prompts")
+        self.prompt_range = parse_range(options.prefill_tokens)
+        self.vocab = gen.vocab_size(self.tier, options.vocab_size)
+        self.max_new_tokens = 1 + options.new_tokens
+        self.open = options.arrivals == "open"
+        self.pending = None  # an arrival drawn and not yet served
+        if self.open:
+            per_user = getattr(options, "arrival_rate_per_user", 0.0) or options.arrival_rate / max(
+                1, getattr(options, "num_users", 1) or 1)
+            self.arrivals = gen.poisson_arrivals(per_user, random.Random(f"{stream}-arrivals"), time.time())
+
+    def on_stop(self):
+        """Arrivals due before the process was told to stop and never served (a tier that could not keep
+        up) are no samples; they are counted, with the longest wait among them up to that moment, in
+        unserved-PID.json for the summary."""
+        if not getattr(self, "open", False):
+            return
+        now, waits = _unserved["stopping_at"] or time.time(), []
+        arrival = self.pending if self.pending is not None else next(self.arrivals)
+        while arrival <= now:
+            waits.append(now - arrival)
+            arrival = next(self.arrivals)
+        _unserved["count"] += len(waits)
+        _unserved["oldest_wait_s"] = max([_unserved["oldest_wait_s"], *waits])
+        write_unserved(self.environment, self.protocol)
+
+    def wait_time(self):
+        return 0.0
+
+    @task
+    def request(self):
+        # A tier computing on the CPU never yields, and the gevent.sleep(0) between tasks runs no timers:
+        # without this, Locust's run-time timer (and a worker's heartbeats) waited for minutes.
+        gevent.idle()
+        if self.open:
+            arrival = self.pending = next(self.arrivals)
+            while arrival > time.time():  # never before the arrival: a timer can fire early (fresh_loop_time)
+                fresh_loop_time()
+                gevent.sleep(arrival - time.time())
+        else:
+            arrival = time.time()
+        prompt = gen.prompt_ids(self.rng, self.rng.randint(*self.prompt_range), self.vocab)
+        with _tier_lock:
+            sample = gen.serve(self.tier, arrival, prompt, self.max_new_tokens)
+        self.pending = None
+        self.environment.events.request.fire(
+            request_type=self.protocol, name="generate", response_time=sample.ttft_ms if not sample.error else
+            (sample.end - arrival) * 1000.0, response_length=sample.new_tokens,
+            exception=gen.WrongAnswer(sample.error) if sample.error else None,
+            context={"tokens": sample.prompt_tokens, "sample": sample})

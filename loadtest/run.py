@@ -4,8 +4,22 @@ Locust's CSVs (--csv, --csv-full-history), summary.json, latency.png and a table
     python loadtest/run.py [--users 16 --time 60s --mix decode-heavy --protocols grpc,http ...]
     make loadtest LOADTEST_USERS=16 LOADTEST_TIME=60s LOADTEST_PROFILE=decode-heavy
 
-It starts no server: when none is ready at --host it says so and exits 2. Exit status 1 when any
-request failed. bench/serving/compare.py runs its loads through run_load().
+The default workload times one layer per request (its latency is the layer's). `--workload generate`
+times a whole model: an attention tier in each load-generating process (loadtest/generate.py) runs
+each prompt through every layer to its first token (TTFT) and --new-tokens more (TPOT), its experts
+in-process, over gRPC or CUDA shared memory, or transformers' own (eager):
+
+    python loadtest/run.py --workload generate --model HF_DIR --tier-protocol grpc --arrival-rate 2 --time 60s
+    python loadtest/run.py --workload generate --model HF_DIR --tier-protocol inprocess --weights PACKED_DIR ...
+
+Arrivals are open-loop by default (Poisson at --arrival-rate requests per second in all, TTFT from
+each scheduled arrival), or --arrivals closed with --users. `--tier module:function` builds the tier
+instead (then no model folder is needed). One protocol per run; loadtest/sweep.py runs several rates.
+
+It starts no server: when the run needs one (single-layer runs; generate over grpc or cudashm) and
+none is ready at --host, it says so and exits 2. Exit status 1 when any request failed or the
+gathered samples do not add up to Locust's own count. bench/serving/compare.py runs its loads
+through run_load().
 """
 import argparse
 import json
@@ -82,14 +96,9 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
     offered load of users * rate while the server keeps up), instead of a closed loop."""
     out = out.resolve()  # locust runs in this folder
     out.mkdir(parents=True, exist_ok=True)
-    for stale in list(out.glob("samples-*.csv")) + list(out.glob("locust*")):
-        stale.unlink()
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *[USER_CLASSES[p] for p in protocols],
-               "--headless", "--host", host, "--users", str(users), "--spawn-rate", str(users),
-               "--run-time", run_time, "--stop-timeout", "30",
-               "--csv", str(out / "locust"), "--csv-full-history", "--json-file", str(out / "locust_final"),
-               "--model", model, "--mix", mix, "--prefill-tokens", prefill_tokens, "--samples-dir", str(out),
-               "--loglevel", "WARNING" if quiet else "INFO"]
+    command = locust_command(out, [USER_CLASSES[p] for p in protocols], host=host, users=users, run_time=run_time,
+                             quiet=quiet)
+    command += ["--model", model, "--mix", mix, "--prefill-tokens", prefill_tokens]
     grpc_url = grpc_address(host, grpc_url)
     if set(protocols) & {"grpc", "cudashm"}:
         command += ["--grpc-url", grpc_url]
@@ -104,14 +113,65 @@ def run_load(out: Path, *, host: str, grpc_url: str = "", model: str = "colibri_
     if steps:
         env.update(LOADTEST_STEPS=steps, LOADTEST_STEP_TIME=str(step_time))
     result = subprocess.run(command, env=env, cwd=HERE, capture_output=quiet, text=True)
-    if not list(out.glob("samples-*.csv")):
-        raise RuntimeError(f"locust wrote no samples (exit status {result.returncode})"
-                           + (f":\n{result.stdout[-3000:]}{result.stderr[-3000:]}" if quiet else ""))
+    check_samples(out, result, quiet)
     summary = load_summary.write(out, "locust", title or (
         f"{model}, users stepped {steps} ({step_time:g} s each)" if steps else f"{model}, {users} users, {run_time}")
         + f", mix {mix}")
     summary.update(model=model, users=users, mix=mix, protocols=list(protocols), rate_per_user=rate,
                    host=host, grpc_url=grpc_url if set(protocols) & {"grpc", "cudashm"} else None,
+                   locust_exit_status=result.returncode)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def locust_command(out: Path, user_classes, *, host: str, users: int, run_time: str, quiet: bool) -> list:
+    """Locust's command line of a headless run into `out`, emptied of an earlier run's files first."""
+    for stale in [*out.glob("samples-*.csv"), *out.glob("locust*"), *out.glob("settings.json"), *out.glob("unserved-*.json")]:
+        stale.unlink()
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), *user_classes,
+            "--headless", "--host", host, "--users", str(users), "--spawn-rate", str(users),
+            "--run-time", run_time, "--stop-timeout", "30",
+            "--csv", str(out / "locust"), "--csv-full-history", "--json-file", str(out / "locust_final"),
+            "--samples-dir", str(out), "--loglevel", "WARNING" if quiet else "INFO"]
+
+
+def check_samples(out: Path, result, quiet: bool) -> None:
+    if not list(out.glob("samples-*.csv")):
+        raise RuntimeError(f"locust wrote no samples (exit status {result.returncode})"
+                           + (f":\n{result.stdout[-3000:]}{result.stderr[-3000:]}" if quiet else ""))
+
+
+def run_generate(out: Path, *, tier_protocol: str = "inprocess", tier: str = "", hf_model: str = "",
+                 weights: str = "", device: str = "cpu", dtype: str = "", warmup: int = 1,
+                 host: str = "http://127.0.0.1:8000", grpc_url: str = "",
+                 triton_model: str = "colibri_moe", arrivals: str = "open", arrival_rate: float = 1.0, users: int = 0,
+                 run_time: str = "60s", prefill_tokens: str = "128-2048", new_tokens: int = 16, processes: int = 0,
+                 seed: int = 0, vocab_size: int = 0, quiet: bool = False, title: str = "", env: dict = None) -> dict:
+    """One generate run (GenerateUser) into `out`; returns the summary. users: closed-loop users, or
+    open-loop arrival streams (default: one per process, the arrival rate split evenly over them).
+    tier: "module:function", importable by Locust's processes (loadtest/ is on their path; put the
+    module's folder on PYTHONPATH through `env` otherwise)."""
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    users = users or max(1, processes)
+    command = locust_command(out, ["GenerateUser"], host=host, users=users, run_time=run_time, quiet=quiet)
+    command += ["--tier-protocol", tier_protocol, "--tier-device", device, "--tier-warmup", str(warmup),
+                "--arrivals", arrivals,
+                "--arrival-rate", repr(float(arrival_rate)), "--prefill-tokens", prefill_tokens,
+                "--new-tokens", str(new_tokens), "--seed", str(seed), "--model", triton_model]
+    for flag, value in (("--tier", tier), ("--tier-model", hf_model), ("--weights", weights), ("--tier-dtype", dtype),
+                        ("--grpc-url", grpc_url), ("--vocab-size", vocab_size)):
+        if value:
+            command += [flag, str(value)]
+    if processes > 1:
+        command += ["--processes", str(processes)]
+    run_env = {**os.environ, **(env or {})}
+    run_env.pop("LOADTEST_STEPS", None)
+    result = subprocess.run(command, env=run_env, cwd=HERE, capture_output=quiet, text=True)
+    check_samples(out, result, quiet)
+    rate = f"open loop, {arrival_rate:g} req/s offered" if arrivals == "open" else f"closed loop, {users} users"
+    summary = load_summary.write(out, "locust", title or f"generate, {tier_protocol}, {rate}, {run_time}")
+    summary.update(tier_protocol=tier_protocol, users=users, processes=processes, host=host,
                    locust_exit_status=result.returncode)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -123,8 +183,34 @@ def parse_args(argv):
     p.add_argument("--host", default=env("LOADTEST_HOST", "http://127.0.0.1:8000"), help="Triton HTTP endpoint")
     p.add_argument("--grpc-url", default=env("LOADTEST_GRPC_URL", ""),
                    help="gRPC host:port (default: the --host host, port 8001)")
-    p.add_argument("--model", default=env("LOADTEST_MODEL", "colibri_moe"))
-    p.add_argument("--users", type=int, default=int(env("LOADTEST_USERS", "16")))
+    p.add_argument("--workload", default=env("LOADTEST_WORKLOAD", "layer"), choices=("layer", "generate"),
+                   help="layer: each request one layer (Triton); generate: whole-model requests through an "
+                        "attention tier")
+    p.add_argument("--model", default="",
+                   help="layer: the Triton model [colibri_moe, LOADTEST_MODEL]; generate: the Hugging Face model "
+                        "folder [LOADTEST_TIER_MODEL]")
+    g = p.add_argument_group("generate workload")
+    g.add_argument("--tier-protocol", default=env("LOADTEST_TIER_PROTOCOL", "inprocess"),
+                   help="inprocess, grpc, cudashm, eager (transformers' own MoE blocks) or fake")
+    g.add_argument("--tier", default=env("LOADTEST_TIER", ""), help="module:function building the tier instead")
+    g.add_argument("--weights", default=env("LOADTEST_WEIGHTS", ""), help="the packed folder (inprocess)")
+    g.add_argument("--device", default=env("LOADTEST_TIER_DEVICE", "cpu"), help="the attention tier's device")
+    g.add_argument("--dtype", default=env("LOADTEST_TIER_DTYPE", ""),
+                   help="the attention tier's torch dtype, e.g. bfloat16 (default: the model's)")
+    g.add_argument("--warmup", type=int, default=int(env("LOADTEST_TIER_WARMUP", "1")),
+                   help="untimed requests per process before the run")
+    g.add_argument("--triton-model", default=env("LOADTEST_MODEL", "colibri_moe"),
+                   help="the expert tier's Triton model (grpc, cudashm)")
+    g.add_argument("--arrivals", default=env("LOADTEST_ARRIVALS", "open"), choices=("open", "closed"))
+    g.add_argument("--arrival-rate", type=float, default=float(env("LOADTEST_ARRIVAL_RATE", "1")),
+                   help="open loop: requests per second offered in all")
+    g.add_argument("--new-tokens", type=int, default=int(env("LOADTEST_NEW_TOKENS", "16")),
+                   help="tokens after the first (TPOT)")
+    g.add_argument("--seed", type=int, default=int(env("LOADTEST_SEED", "0")))
+    g.add_argument("--vocab-size", type=int, default=int(env("LOADTEST_VOCAB_SIZE", "0")),
+                   help="prompt ids below this (default: the tier's vocabulary)")
+    p.add_argument("--users", type=int, default=int(env("LOADTEST_USERS", "0")),
+                   help="users [16]; generate: closed-loop users, or open-loop streams [one per process]")
     p.add_argument("--time", default=env("LOADTEST_TIME", "60s"), help="Locust run time (30s, 2m)")
     p.add_argument("--mix", default=env("LOADTEST_PROFILE", "decode-heavy"),
                    help="decode-heavy, prefill-heavy, decode, prefill, or weights like decode:9,prefill:1")
@@ -145,6 +231,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.workload == "generate":
+        return main_generate(args)
+    args.model = args.model or os.environ.get("LOADTEST_MODEL", "colibri_moe")
+    args.users = args.users or 16
     protocols = [p for p in args.protocols.split(",") if p]
     unknown = set(protocols) - set(USER_CLASSES)
     if unknown or not protocols:
@@ -170,7 +260,45 @@ def main(argv=None) -> int:
              f"{args.users} users for {args.time}")
           + f"; files in {args.out}/ (summary.json, latency.png, locust_*.csv)")
     print(load_summary.table(summary))
+    return verdict(summary)
+
+
+def verdict(summary: dict) -> int:
+    """1 when a request failed or the samples do not add up to Locust's count (said on stderr too)."""
+    if summary.get("counts_agree") is False:
+        print(f"loadtest: {load_summary.counts_line(summary)}", file=sys.stderr)
+        return 1
     return 1 if summary["total"]["failures"] else 0
+
+
+def main_generate(args) -> int:
+    hf_model = args.model or os.environ.get("LOADTEST_TIER_MODEL", "")
+    if not hf_model and not args.tier and args.tier_protocol != "fake":
+        print("loadtest: --workload generate needs --model HF_DIR (or --tier module:function)", file=sys.stderr)
+        return 2
+    if args.arrivals == "open" and not 0 < args.arrival_rate < float("inf"):
+        print(f"loadtest: --arrival-rate {args.arrival_rate}: expected requests per second, > 0", file=sys.stderr)
+        return 2
+    if args.tier_protocol in ("grpc", "cudashm"):
+        try:
+            check_grpc_ready(grpc_address(args.host, args.grpc_url), args.triton_model, bool(args.grpc_url))
+        except NotReady as exc:
+            print(f"loadtest: {exc}", file=sys.stderr)
+            return 2
+    try:
+        summary = run_generate(args.out.resolve(), tier_protocol=args.tier_protocol, tier=args.tier, hf_model=hf_model,
+                               weights=args.weights, device=args.device, dtype=args.dtype, warmup=args.warmup,
+                               host=args.host, grpc_url=args.grpc_url,
+                               triton_model=args.triton_model, arrivals=args.arrivals, arrival_rate=args.arrival_rate,
+                               users=args.users, run_time=args.time, prefill_tokens=args.prefill_tokens,
+                               new_tokens=args.new_tokens, processes=args.processes, seed=args.seed,
+                               vocab_size=args.vocab_size, quiet=args.quiet)
+    except RuntimeError as exc:  # no samples: the tier could not be built, or Locust could not start
+        print(f"loadtest: {exc}", file=sys.stderr)
+        return 2
+    print(f"\nloadtest: generate, {args.tier_protocol}, files in {args.out}/ (summary.json, samples-*.csv)")
+    print(load_summary.table(summary))
+    return verdict(summary)
 
 
 if __name__ == "__main__":

@@ -918,6 +918,22 @@ def test_entrypoint_serves_a_folder_of_layers_in_place_of_the_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layer1.colibri.safetensors"]
 
 
+def test_entrypoint_serves_the_folder_colibri_weights_names(tmp_path):
+    """COLIBRI_WEIGHTS naming a folder of layer files (Helm's weights.folder) is served as it is: no
+    demo written beside it; a named folder that is not there is refused in one line, never filled with
+    random weights."""
+    model = tmp_path / "qwen3-30b"
+    model.mkdir()
+    (model / "layer0.colibri.safetensors").write_bytes(b"a layer")
+    result = run_entrypoint(tmp_path, model, "sh", "-c", 'echo "$COLIBRI_WEIGHTS"')
+    assert result.returncode == 0 and result.stdout.strip() == str(model), result.stdout + result.stderr
+    assert sorted(p.name for p in model.iterdir()) == ["layer0.colibri.safetensors"]
+    missing = run_entrypoint(tmp_path, tmp_path / "absent-model", "sh", "-c", "echo served")
+    assert missing.returncode == 1 and "served" not in missing.stdout
+    assert f"no checkpoint at {tmp_path / 'absent-model'}" in missing.stderr and len(missing.stderr.splitlines()) == 1
+    assert not (tmp_path / "absent-model").exists()
+
+
 def test_entrypoint_refuses_a_checkpoint_it_cannot_read(tmp_path):
     weights = tmp_path / "w.colibri.safetensors"
     weights.write_bytes(b"kept")

@@ -60,7 +60,17 @@ VARIANTS = {
     "cpu": values_file("values-cpu.yaml"),
     "gpu-prometheus-adapter": merged(values_file("values-gpu.yaml"), {"autoscaling": {"provider": "prometheus-adapter"}}),
     "fetch-and-pack": merged(values_file("values-gpu.yaml"), FETCH_AND_PACK),
+    # a whole model: a folder of layer files on the claim, or fetched and packed with --layer all
+    "whole-model": merged(values_file("values-gpu.yaml"), {"weights": {"folder": "qwen3-30b"}}),
+    "whole-model-fetch-and-pack": merged(values_file("values-gpu.yaml"),
+                                         merged(FETCH_AND_PACK, {"weights": {"folder": "qwen3-30b"}})),
 }
+
+
+def served_path(values):
+    """What COLIBRI_WEIGHTS must name: the folder of a whole model, else the file."""
+    weights = values.get("weights", {})
+    return "/weights/" + (weights.get("folder") or weights.get("file") or "weights.colibri.safetensors")
 
 
 def render(helm, values):
@@ -169,7 +179,7 @@ def test_probes_watchdog_and_security(helm, variant):
     pod, triton = triton_container(objects)
     env = {e["name"]: e.get("value") for e in triton["env"]}
     assert env["COLIBRI_WATCHDOG"] == "0", "the kubelet restarts the container; the watchdog must be off"
-    assert env["COLIBRI_WEIGHTS"] == "/weights/weights.colibri.safetensors"
+    assert env["COLIBRI_WEIGHTS"] == served_path(values)
     ready = {"path": "/v2/models/colibri_moe/ready", "port": "http"}
     assert triton["startupProbe"]["httpGet"] == ready and triton["readinessProbe"]["httpGet"] == ready
     startup = triton["startupProbe"]
@@ -218,6 +228,14 @@ def test_gpus_and_weights(helm, variant):
         pack = pod["initContainers"][1]
         assert pack["image"] == triton["image"] and "colibri pack" in pack["command"][2]
         assert pack["command"][3:] == ["/staging", "--layer", "1"]
+        script = pack["command"][2]
+        assert f"out={served_path(values)}\n" in script
+        fetch = pod["initContainers"][0]
+        assert fetch["command"][-1] == served_path(values), "fetch is skipped when what is served is there"
+        if weights.get("folder"):  # every layer, into a folder written aside and renamed
+            assert '"$@" --layer all' in script and 'rm -rf "$partial"' in script and 'mv "$partial" "$out"' in script
+        else:
+            assert "--layer all" not in script and "partial=/weights/.partial-$HOSTNAME.colibri.safetensors" in script
     elif not weights.get("demo"):
         assert volumes["weights"]["persistentVolumeClaim"] == {"claimName": "colibri-weights", "readOnly": True}
         assert mount["readOnly"] is True
@@ -255,6 +273,9 @@ def test_autoscaler_holds_queue_time_per_request(helm):
     ({"weights": {"fetch": {"enabled": True}}}, "weights.fetch.enabled needs weights.fetch.image"),
     ({"weights": {"pack": {"enabled": True}}}, "enable weights.fetch too"),
     ({"weights": {"file": "model.safetensors"}}, "/weights/file"),
+    ({"weights": {"folder": "models/qwen"}}, "/weights/folder"),
+    ({"weights": {"folder": ".."}}, "/weights/folder"),
+    ({"weights": {"existingClaim": "", "demo": True, "folder": "qwen"}}, 'weights.folder ("qwen") is a whole model'),
     ({"gpus": -1}, "/gpus"),
     ({"autoscaling": {"enabled": True, "provider": "hpa"}}, "/autoscaling/provider"),
     ({"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 2}}, "autoscaling.minReplicas (4)"),

@@ -34,13 +34,14 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
          "--step-time", str(STEP_SECONDS), "--out", str(out)],
         capture_output=True, text=True, timeout=55)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    # The table comes last: its header, 4 groups, the total, the TTFT line (and the footnote on
-    # percentiles from few requests), then a heading and P99 by users (2 steps x 4 groups).
+    # The table comes last: its header, 4 groups, the total, the layer-latency line (and the footnote on
+    # percentiles from few requests), a heading and P99 by users (2 steps x 4 groups), the sample count.
     lines = result.stdout.splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("protocol profile"))
     table = lines[header:]
-    assert table[-1].startswith("  users") and len(table) in (16, 17), result.stdout[-2000:]
-    assert table[6].startswith("P99 time-to-first-token"), table
+    assert table[-2].startswith("  users") and len(table) in (17, 18), result.stdout[-2000:]
+    assert table[6].startswith("P99 layer latency, prefill (one layer's share of TTFT, not TTFT"), table
+    assert table[-1] == f"samples: {json.loads((out / 'summary.json').read_text())['total']['requests']}, as Locust counted"
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["total"]["failures"] == 0
@@ -52,15 +53,18 @@ def test_headless_run_writes_summary_and_plot(colibri_server, tmp_path):
         assert group["locust_requests"] == group["requests"], key
         assert 0 < group["p50_ms"] <= group["p95_ms"] <= group["p99_ms"], key
         assert (group["mean_tokens"] == 1) if key[1] == "decode" else (2 <= group["mean_tokens"] <= 24), key
-        assert group["metric"] == {"prefill": "TTFT", "decode": "TPOT"}[key[1]]
+        assert group["metric"] == "layer"
         assert_counted(group)
-    # P99 time-to-first-token: every successful prefill request, both protocols, named as such
+    # P99 layer latency of prefill: every successful prefill request, both protocols, named as one
+    # layer's; a single-layer run has no TTFT
     prefill = [g for g in summary["groups"] if g["profile"] == "prefill"]
-    assert summary["ttft_samples"] == summary["ttft"]["samples"] == sum(g["samples"] for g in prefill)
-    assert min(g["p99_ms"] for g in prefill) <= summary["ttft_p99_ms"] <= max(g["p99_ms"] for g in prefill)
-    assert summary["ttft"]["protocols"] == ["grpc", "http"]
-    ttft_line = f"{summary['ttft_p99_ms']:.2f} ms from {summary['ttft_samples']} requests"
-    assert ttft_line in table[6], table[6]
+    assert summary["layer_prefill_samples"] == summary["layer_prefill"]["samples"] == sum(g["samples"] for g in prefill)
+    assert min(g["p99_ms"] for g in prefill) <= summary["layer_prefill_p99_ms"] <= max(g["p99_ms"] for g in prefill)
+    assert summary["layer_prefill"]["protocols"] == ["grpc", "http"]
+    assert summary["ttft_p99_ms"] is None and summary["ttft_samples"] == 0 and "ttft_note" in summary
+    assert summary["workload"] == "layer" and summary["arrivals"] == "closed" and summary["counts_agree"] is True
+    layer_line = f"{summary['layer_prefill_p99_ms']:.2f} ms from {summary['layer_prefill_samples']} requests"
+    assert layer_line in table[6], table[6]
     assert summary["total"]["locust_failures"] == 0
     assert_counted(summary["total"])
     assert summary["grpc_url"] == colibri_server.grpc_url and summary["host"] == f"http://{colibri_server.http_url}"
@@ -93,7 +97,8 @@ def assert_counted(row):
     """Every percentile row carries the count behind it and flags the percentiles it is too small for."""
     # a group's or the total's requests include its failures; a user level's are its successful ones
     assert row["samples"] == (row["requests"] if "users" in row else row["requests"] - row["failures"]), row
-    assert row["few_samples"] == [k for k, n in load_summary.MIN_SAMPLES.items() if row["samples"] < n], row
+    assert row["few_samples"] == [f"p{p}_ms" for p in load_summary.PERCENTILES
+                                  if row["samples"] < load_summary.MIN_SAMPLES[f"p{p}_ms"]], row
 
 
 def test_no_server_is_a_clear_error(tmp_path):
@@ -191,7 +196,8 @@ def write_samples(folder, rows):
 def test_summary_counts_and_flags_thin_percentiles(tmp_path):
     """6 prefill requests (one P99 came from 6 once) are flagged for P50, P95 and P99 alike; 150 decode
     requests for none; 40 for P99 only. The counts and flags reach the JSON, the table and the plot's
-    windows, and the TTFT figure is the prefill requests' own."""
+    windows, and the layer's prefill figure is the prefill requests' own (not called TTFT). Samples
+    files of the old six columns are read as before."""
     rng = np.random.default_rng(3)
     rows = [[f"{1000 + i * 0.1:.6f}", "grpc", "decode", 1, f"{rng.uniform(1, 2):.4f}", 0] for i in range(150)]
     rows += [[f"{1000 + i * 2.5:.6f}", "grpc", "prefill", 512, f"{20 + i:.4f}", 0] for i in range(6)]
@@ -204,17 +210,19 @@ def test_summary_counts_and_flags_thin_percentiles(tmp_path):
     assert groups[("grpc", "decode")]["samples"] == 150 and groups[("grpc", "decode")]["few_samples"] == []
     assert groups[("http", "decode")]["samples"] == 40 and groups[("http", "decode")]["few_samples"] == ["p99_ms"]
     assert groups[("http", "decode")]["requests"] == 41 and groups[("http", "decode")]["failures"] == 1
-    assert summary["ttft_p99_ms"] == 25.0 and summary["ttft_samples"] == 6  # nearest rank of 20..25
-    assert summary["ttft"]["few_samples"] == ["p50_ms", "p95_ms", "p99_ms"]
+    assert summary["layer_prefill_p99_ms"] == 25.0 and summary["layer_prefill_samples"] == 6  # nearest rank of 20..25
+    assert summary["layer_prefill"]["few_samples"] == ["p50_ms", "p95_ms", "p99_ms"]
+    assert summary["ttft_p99_ms"] is None and summary["generate"] == {}
     assert summary["total"]["samples"] == 196
-    assert json.loads((tmp_path / "summary.json").read_text())["ttft_p99_ms"] == 25.0
+    assert json.loads((tmp_path / "summary.json").read_text())["layer_prefill_p99_ms"] == 25.0
     text = load_summary.table(summary)
     lines = text.splitlines()
-    prefill_row = next(line for line in lines if line.startswith("grpc     prefill (TTFT)"))
+    prefill_row = next(line for line in lines if line.startswith("grpc     prefill (layer)"))
     assert prefill_row.count("*") == 3 and " 6 " in prefill_row, prefill_row
-    decode_row = next(line for line in lines if line.startswith("grpc     decode (TPOT)"))
+    decode_row = next(line for line in lines if line.startswith("grpc     decode (layer)"))
     assert "*" not in decode_row, decode_row
-    assert "P99 time-to-first-token" in text and "25.00 ms from 6 requests (fewer than 100: rough)" in text, text
+    assert "P99 layer latency, prefill" in text and "25.00 ms from 6 requests (fewer than 100: rough)" in text, text
+    assert "time-to-first-token" not in text, text
     assert any(line.startswith("* from fewer requests than that percentile needs") for line in lines), text
     assert (tmp_path / "latency.png").stat().st_size > 10_000
 
@@ -308,3 +316,328 @@ def test_clients_import_no_torch_and_no_cuda_python():
         for needle in ("import torch", "utils.cuda_shared_memory", "utils import cuda_shared_memory",
                        "cuda.bindings", "from cuda import", "import cuda\n"):
             assert needle not in text, (path, needle)
+
+
+# --- the generate workload (whole-model requests through an attention tier) -------------------------
+
+load_generate = load_script(REPO_ROOT / "loadtest" / "generate.py")
+
+
+def test_poisson_arrivals_have_the_rate_asked_for():
+    """Open-loop arrivals on a fixed seed: 50 per second over 400 s come to 20,000 within 3% (the count's
+    own spread is 0.7%), with exponential gaps (mean 1/rate, standard deviation equal to the mean), in
+    order, from the start time; the same seed gives the same schedule; a rate that is no rate is refused."""
+    import itertools
+    import random
+    arrivals = load_generate.poisson_arrivals(50.0, random.Random(7), start=1000.0)
+    times = np.array(list(itertools.takewhile(lambda t: t < 1400.0, arrivals)))
+    assert times[0] > 1000.0 and np.all(np.diff(times) > 0)
+    assert abs(len(times) - 20000) < 600, len(times)
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(0.02, rel=0.03) and gaps.std() == pytest.approx(0.02, rel=0.05)
+    # a Poisson count per second: variance equal to the mean (50) within a few percent of it
+    per_second = np.bincount((times - 1000.0).astype(int), minlength=400)
+    assert per_second.var() == pytest.approx(50.0, rel=0.15)
+    again = load_generate.poisson_arrivals(50.0, random.Random(7), start=1000.0)
+    assert [next(again) for _ in range(5)] == times[:5].tolist()
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="arrival rate"):
+            next(load_generate.poisson_arrivals(bad, random.Random(0)))
+
+
+class FakeClock:
+    def __init__(self, now=0.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def test_ttft_counts_from_the_scheduled_arrival():
+    """A tier taking 30 ms to the first token (100 tokens at 0.3 ms) and 5 ms per later token, requests
+    scheduled 10 ms apart and served one at a time: each waits for the one before, and its TTFT is that
+    wait plus its own prefill (the single-server queue's waits: W[k+1] = max(0, W[k] + S[k] - gap)); TPOT
+    is the tier's own. Nothing of the wait is lost because the load generator was busy."""
+    clock = FakeClock(100.0)
+    tier = load_generate.FakeTier(prefill_s_per_token=0.0003, tpot_s=0.005, sleep=clock.sleep, clock=clock)
+    service = 0.03 + 3 * 0.005  # to the first token, then 3 more
+    arrivals = [100.0 + 0.01 * k for k in range(6)]
+    wait, samples = 0.0, []
+    for k, arrival in enumerate(arrivals):
+        clock.now = max(clock.now, arrival)  # the tier is free at clock.now; the request cannot start before it comes
+        samples.append(load_generate.serve(tier, arrival, list(range(1, 101)), 4, clock=clock))
+        assert samples[-1].ttft_ms == pytest.approx((wait + 0.03) * 1000.0, abs=1e-6), k
+        assert samples[-1].tpot_ms == pytest.approx(5.0) and samples[-1].new_tokens == 4
+        wait = max(0.0, wait + service - 0.01)
+    assert samples[-1].ttft_ms > 150.0  # five requests queued ahead of the last one
+    assert [s.error for s in samples] == [""] * 6 and tier.calls == 6
+
+
+def test_fake_tier_and_factories():
+    clock = FakeClock()
+    tier = load_generate.FakeTier(prefill_s_per_token=0.001, tpot_s=0.002, sleep=clock.sleep, clock=clock)
+    one = tier.generate([5, 6, 7], 1)
+    assert one.tokens == [18] and one.tpot_s == 0.0 and one.ttft_s == pytest.approx(0.003) and one.prompt_tokens == 3
+    assert tier.generate([5, 6, 7], 3).tokens == [18, 19, 20]
+    failed = load_generate.serve(tier, 0.0, [], 4, clock=clock)  # an empty prompt: the request's error
+    assert failed.error.startswith("ValueError") and failed.new_tokens == 0 and np.isnan(failed.ttft_ms)
+
+    class Short(load_generate.FakeTier):
+        def generate(self, prompt_ids, max_new_tokens):
+            return load_generate.FakeResult([], 0.0, 0.0, len(prompt_ids))
+    assert load_generate.serve(Short(), 0.0, [1], 4).error.startswith("WrongAnswer: 0 new tokens")
+    assert load_generate.vocab_size(tier) == 1000 and load_generate.vocab_size(tier, 77) == 77
+    with pytest.raises(ValueError, match="--vocab-size"):
+        load_generate.vocab_size(object())
+    assert load_generate.load_factory("") is load_generate.default_tier
+    assert load_generate.load_factory("fake") is load_generate.fake_tier
+    assert load_generate.load_factory("generate:fake_tier").__name__ == "fake_tier"  # module:function
+    for bad, message in (("nocolon", "module:function"), ("generate:nothing", "no function nothing")):
+        with pytest.raises(ValueError, match=message):
+            load_generate.load_factory(bad)
+    with pytest.raises(ValueError, match="--tier-model"):  # the default needs a model folder, and says so
+        load_generate.default_tier("inprocess", type("Options", (), {"tier_model": ""})())
+    pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="--tier-dtype 'bf16': not a torch dtype"):
+        load_generate.default_tier("inprocess", type("Options", (), {"tier_model": "m", "tier_device": "cpu",
+                                                                     "tier_dtype": "bf16"})())
+
+
+GENERATE_ENV = {"LOADTEST_FAKE_PREFILL_S_PER_TOKEN": "0.0002", "LOADTEST_FAKE_TPOT_S": "0.04"}
+
+
+def test_generate_with_two_processes_gathers_every_sample(tmp_path):
+    """An open-loop generate run of the fake tier in 2 Locust processes: every request's sample is
+    gathered (one file per worker, none from the master) and their total is Locust's own count. Each
+    request takes about 0.7 s and each tier is offered more than it can serve, so requests are in flight
+    when the run ends and their workers report after Locust's own 0.5 s wait for final reports (without
+    the locustfile's flush, Locust's total falls short here). The summary names the arrival mode and the
+    offered rate, and gives TTFT and TPOT percentiles with their counts. A sample removed afterwards is
+    reported as a mismatch, loudly, with exit status 1."""
+    out = tmp_path / "generate"
+    env = {**__import__("os").environ, **GENERATE_ENV, "LOADTEST_FAKE_TPOT_S": "0.15",
+           "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(RUN), "--workload", "generate", "--tier-protocol", "fake", "--arrival-rate", "4",
+         "--time", "8s", "--processes", "2", "--prefill-tokens", "100-400", "--new-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    files = sorted(out.glob("samples-*.csv"))
+    assert len(files) == 2, files  # the two workers'; the master ran no users and wrote none
+    rows = [r for f in files for r in csv.DictReader(open(f, newline=""))]
+    locust_total = sum(e["num_requests"] for e in json.loads((out / "locust_final.json").read_text()))
+    assert len(rows) == locust_total >= 10, (len(rows), locust_total)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["counts"] == {"samples": len(rows), "locust": locust_total, "agree": True}
+    assert summary["workload"] == "generate" and summary["arrivals"] == "open" and summary["offered_rate_rps"] == 4.0
+    assert summary["settings"]["processes"] == 2 and summary["settings"]["users"] == 2
+    fake = summary["generate"]["fake"]
+    assert fake["requests"] == len(rows) and fake["failures"] == 0
+    assert fake["ttft"]["samples"] == fake["tpot"]["samples"] == len(rows)
+    assert 0 < fake["ttft"]["p50_ms"] <= fake["ttft"]["p90_ms"] <= fake["ttft"]["p99_ms"]
+    assert fake["ttft"]["p50_ms"] >= 100 * 0.2  # at least the shortest prompt's prefill (100 tokens x 0.2 ms)
+    assert fake["tpot"]["p50_ms"] == pytest.approx(150.0, rel=0.3)
+    assert 100 <= fake["mean_prompt_tokens"] <= 400 and fake["mean_new_tokens"] == 5  # the first and 4 more
+    assert summary["ttft_p99_ms"] == fake["ttft"]["p99_ms"] and summary["tpot_p99_ms"] == fake["tpot"]["p99_ms"]
+    assert summary["layer_prefill_p99_ms"] is None
+    for row in rows:  # TTFT runs from the scheduled arrival, which comes before the answer
+        assert float(row["arrival_time"]) < float(row["end_time"]) and row["profile"] == "generate"
+        assert float(row["latency_ms"]) == float(row["ttft_ms"])
+    assert "open-loop Poisson arrivals, 4 req/s offered" in result.stdout
+    assert f"samples: {len(rows)}, as Locust counted" in result.stdout
+
+    lines = files[0].read_text().splitlines()
+    files[0].write_text("\n".join(lines[:-1]) + "\n")  # one sample lost
+    check = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "summary.py"), str(out)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert (f"SAMPLE COUNT MISMATCH: {len(rows) - 1} samples gathered, Locust counted {locust_total}"
+            in check.stdout.splitlines()[-1]), check.stdout
+    assert json.loads((out / "summary.json").read_text())["counts_agree"] is False
+    assert load_run.verdict(json.loads((out / "summary.json").read_text())) == 1
+
+
+def test_generate_closed_loop_and_the_summary_of_made_up_samples(tmp_path):
+    """Closed-loop generate users in one process say so in the summary; made-up generate samples of two
+    protocols give per-protocol TTFT/TPOT percentiles (failures left out, TPOT only where there was a
+    later token) with their counts, and the offered rate of an open-loop run's settings."""
+    out = tmp_path / "closed"
+    env = {**__import__("os").environ, **GENERATE_ENV, "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(RUN), "--workload", "generate", "--tier-protocol", "fake", "--arrivals", "closed",
+         "--users", "2", "--time", "3s", "--prefill-tokens", "50", "--new-tokens", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=90, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["arrivals"] == "closed" and summary["offered_rate_rps"] is None and summary["counts_agree"]
+    fake = summary["generate"]["fake"]
+    # two users, one tier: each request waits for the other's (about 10 + 80 ms), so TTFT exceeds the prefill
+    assert fake["ttft"]["p50_ms"] > 10.0 + 40.0, fake
+    assert "closed-loop users (2)" in result.stdout
+
+    made = tmp_path / "made"
+    made.mkdir()
+    header = ["end_time", "protocol", "profile", "tokens", "latency_ms", "failed", "arrival_time", "ttft_ms",
+              "tpot_ms", "new_tokens", "error"]
+    rows = [[f"{10 + i:.6f}", "grpc", "generate", 512, f"{100 + i:.4f}", 0, f"{9 + i:.6f}", f"{100 + i:.4f}",
+             f"{5 + i * 0.01:.4f}", 17, ""] for i in range(200)]
+    rows += [[f"{10 + i:.6f}", "inprocess", "generate", 512, f"{50 + i:.4f}", 0, f"{9 + i:.6f}", f"{50 + i:.4f}",
+              "0.0000", 1, ""] for i in range(30)]
+    rows += [["300.0", "grpc", "generate", 512, "9000.0", 1, "299.0", "nan", "nan", 0, "RuntimeError: gone"]]
+    with open(made / "samples-1.csv", "w", newline="") as f:
+        csv.writer(f).writerows([header] + rows)
+    (made / "settings.json").write_text(json.dumps({"arrivals": "open", "arrival_rate": 3.5, "users": 1}))
+    # two processes of grpc left 3 and 2 arrivals unserved at the end, the oldest waiting 0.8 s
+    (made / "unserved-1.json").write_text(json.dumps({"protocol": "grpc", "count": 3, "oldest_wait_s": 0.8}))
+    (made / "unserved-2.json").write_text(json.dumps({"protocol": "grpc", "count": 2, "oldest_wait_s": 0.5}))
+    summary = load_summary.write(made)
+    grpc, inprocess = summary["generate"]["grpc"], summary["generate"]["inprocess"]
+    assert grpc["requests"] == 201 and grpc["failures"] == 1 and grpc["ttft"]["samples"] == 200
+    assert grpc["ttft"]["p50_ms"] == 199.0 and grpc["ttft"]["p90_ms"] == 279.0 and grpc["ttft"]["p99_ms"] == 297.0
+    assert grpc["tpot"]["p99_ms"] == pytest.approx(6.97) and grpc["offered_rate_rps"] == 3.5
+    assert (grpc["ttft_p50_ms"], grpc["ttft_p90_ms"], grpc["ttft_p99_ms"], grpc["ttft_samples"]) == (199.0, 279.0, 297.0, 200)
+    assert grpc["tpot_p99_ms"] == grpc["tpot"]["p99_ms"] and grpc["tpot_samples"] == 200
+    assert inprocess["tpot"]["samples"] == 0 and inprocess["tpot"]["p99_ms"] is None  # one token each: no TPOT
+    assert inprocess["ttft"]["few_samples"] == ["p99_ms"] and inprocess["ttft"]["samples"] == 30
+    assert summary["ttft_samples"] == 230 and summary["tpot_samples"] == 200
+    assert summary["counts"] == {"samples": 231, "locust": None, "agree": None}
+    assert (grpc["unserved_at_end"], grpc["oldest_unserved_wait_ms"]) == (5, 800.0)
+    assert (inprocess["unserved_at_end"], inprocess["oldest_unserved_wait_ms"]) == (0, 0.0)
+    text = load_summary.table(summary)
+    assert "grpc: 5 arrivals still waiting when the run ended, the oldest for 800 ms" in text, text
+    assert "open-loop Poisson arrivals, 3.5 req/s offered" in text
+    assert text.splitlines()[-1] == "samples: 231 (no Locust final counts to check them against)"
+    grpc_row = next(line for line in text.splitlines() if line.startswith("grpc ") and "generate" not in line)
+    assert grpc_row.split()[:4] == ["grpc", "201", "1", "200"], grpc_row
+
+
+def test_sweep_finds_the_highest_rate_within_the_ttft_budget(tmp_path):
+    """loadtest/sweep.py: per protocol, P99 TTFT and TPOT at each offered rate, and the highest rate
+    with it and every lower rate within the budget, failures and count mismatches not eligible; a rate
+    back under budget after one over it is not capacity. Then a real sweep of the fake tier at two
+    rates: its folders, sweep.json, the table and the plot."""
+    sweep = load_script(REPO_ROOT / "loadtest" / "sweep.py")
+
+    def lv(rate, p99, failures=0, agree=True):
+        return {"offered_rps": rate, "answered_rps": rate, "requests": 200, "failures": failures, "ttft_p50_ms": p99 / 2,
+                "ttft_p99_ms": p99, "ttft_samples": 200 - failures, "tpot_p50_ms": 4.0, "tpot_p99_ms": 5.0,
+                "tpot_samples": 200, "few_samples": False, "counts_agree": agree}
+
+    assert sweep.best_rate([lv(1, 50), lv(2, 150), lv(4, 250), lv(8, 120)], 200)["best"]["offered_rps"] == 2
+    assert sweep.best_rate([lv(1, 50), lv(2, 150, failures=1)], 200)["best"]["offered_rps"] == 1
+    assert sweep.best_rate([lv(1, 50), lv(2, 150, agree=False)], 200)["best"]["offered_rps"] == 1
+    assert sweep.best_rate([lv(1, 250)], 200) == {"best": None, "lower_bound": False}
+    assert sweep.best_rate([lv(1, 50), lv(2, 60)], 200)["lower_bound"] is True
+    # arrivals left waiting longer than the budget: over it, whatever the served requests' P99
+    assert sweep.best_rate([lv(1, 50), {**lv(2, 60), "unserved": 4, "oldest_unserved_wait_ms": 900.0}], 200)["best"][
+        "offered_rps"] == 1
+    summary = {"counts_agree": True, "generate": {"grpc": {
+        "requests": 10, "failures": 0, "answered_rate_rps": 0.9,
+        "ttft": {"p50_ms": 5.0, "p99_ms": 9.0, "samples": 10, "few_samples": ["p99_ms"]},
+        "tpot": {"p50_ms": 1.0, "p99_ms": 2.0, "samples": 10, "few_samples": ["p99_ms"]}}}}
+    level = sweep.level(1.0, summary, "grpc")
+    assert (level["ttft_p99_ms"], level["tpot_p99_ms"], level["ttft_samples"], level["few_samples"]) == (9.0, 2.0, 10, True)
+
+    out = tmp_path / "sweep"
+    env = {**__import__("os").environ, **GENERATE_ENV, "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--protocols", "fake", "--rates", "4,8",
+         "--time", "3s", "--prefill-tokens", "64", "--new-tokens", "1", "--budget-ms", "60000", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads((out / "sweep.json").read_text())
+    levels = data["protocols"]["fake"]["levels"]
+    assert [x["offered_rps"] for x in levels] == [4.0, 8.0] and all(x["ttft_samples"] > 0 for x in levels)
+    for x in levels:
+        run_summary = json.loads((out / "fake" / f"rate-{x['offered_rps']:g}" / "summary.json").read_text())
+        assert run_summary["offered_rate_rps"] == x["offered_rps"] and run_summary["counts_agree"] is True
+        assert x["ttft_p99_ms"] == run_summary["generate"]["fake"]["ttft"]["p99_ms"]
+    assert data["protocols"]["fake"]["best"]["offered_rps"] == 8.0 and data["protocols"]["fake"]["lower_bound"]
+    assert "fake       8 req/s (P99 TTFT" in result.stdout and "a lower bound" in result.stdout, result.stdout
+    assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--rates", "0,1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--rates" in bad.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    nobody = subprocess.run([sys.executable, str(REPO_ROOT / "loadtest" / "sweep.py"), "--protocols", "inprocess,grpc",
+                             "--model", "m", "--rates", "1", "--grpc-url", f"127.0.0.1:{port}", "--out", str(tmp_path / "x")],
+                            capture_output=True, text=True, timeout=60)
+    assert nobody.returncode == 2 and f"gRPC at 127.0.0.1:{port}" in nobody.stderr, nobody.stderr
+    assert not (tmp_path / "x").exists(), "nothing is run when a protocol's server does not answer"
+
+
+def test_default_tier_builds_colibri_attention_as_api53_says(monkeypatch):
+    """The default factory against a stand-in colibri.attention (the real one is built and tested with
+    the attention tier itself): expert_tier(protocol, url, weights, device, model), then
+    AttentionTier.from_pretrained(model folder, experts, device, dtype); eager: transformers' model,
+    in the dtype asked for, wrapped by AttentionTier.eager."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import types
+    calls = []
+
+    class AttentionTier:
+        @classmethod
+        def from_pretrained(cls, model_dir, experts, device="cpu", dtype=None):
+            calls.append(("from_pretrained", model_dir, experts, device, dtype))
+            return "tier"
+
+        @classmethod
+        def eager(cls, model):
+            calls.append(("eager", model))
+            return "eager tier"
+
+    def expert_tier(protocol, *, url=None, weights=None, device="cpu", model="colibri_moe"):
+        calls.append(("expert_tier", protocol, url, weights, device, model))
+        return "experts"
+
+    class Model:
+        def to(self, device):
+            calls.append(("to", device))
+            return self
+
+        def eval(self):
+            return self
+
+    fake = types.ModuleType("colibri.attention")
+    fake.AttentionTier, fake.expert_tier = AttentionTier, expert_tier
+    monkeypatch.setitem(sys.modules, "colibri.attention", fake)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda path, **kw: calls.append(("hf", path, kw)) or Model())
+    options = type("Options", (), {"tier_model": "/models/qwen", "tier_device": "cuda", "tier_dtype": "bfloat16",
+                                   "grpc_url": "10.0.0.2:8001", "weights": "", "model": "colibri_moe"})()
+    assert load_generate.default_tier("grpc", options) == "tier"
+    assert calls == [("expert_tier", "grpc", "10.0.0.2:8001", None, "cuda", "colibri_moe"),
+                     ("from_pretrained", "/models/qwen", "experts", "cuda", torch.bfloat16)]
+    calls.clear()
+    assert load_generate.default_tier("eager", options) == "eager tier"
+    assert calls[0] == ("hf", "/models/qwen", {"dtype": torch.bfloat16}) and calls[1] == ("to", "cuda")
+    assert calls[2][0] == "eager" and len(calls) == 3
+
+
+def test_a_tier_holding_the_process_keeps_the_run_time_and_the_schedule(tmp_path):
+    """A tier that computes on the CPU holds the load generator's only thread (a fake one spinning, built
+    in 3 s of spinning): the run still lasts its --time (gevent's timers were starved: Locust's run-time
+    limit fired at once after a slow build, or minutes late between requests), and no request is served
+    before its arrival (each TTFT at least the tier's own prefill)."""
+    out = tmp_path / "busy"
+    env = {**__import__("os").environ, "LOADTEST_FAKE_BUSY": "1", "LOADTEST_FAKE_BUILD_S": "3",
+           "LOADTEST_FAKE_PREFILL_S_PER_TOKEN": "0.0002", "LOADTEST_FAKE_TPOT_S": "0.01",
+           "PYTHONPATH": str(REPO_ROOT / "backend_src")}
+    result = subprocess.run(
+        [sys.executable, str(RUN), "--workload", "generate", "--tier-protocol", "fake", "--arrival-rate", "8",
+         "--time", "4s", "--prefill-tokens", "200", "--new-tokens", "2", "--warmup", "0", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [r for f in out.glob("samples-*.csv") for r in csv.DictReader(open(f, newline=""))]
+    arrivals = sorted(float(r["arrival_time"]) for r in rows)
+    ends = [float(r["end_time"]) for r in rows]
+    assert 12 <= len(rows) <= 60, len(rows)  # 8 per second for 4 s, give or take Poisson and the stop
+    assert 2.5 <= arrivals[-1] - arrivals[0] <= 4.5 and max(ends) - arrivals[0] <= 5.0, (arrivals[0], arrivals[-1], max(ends))
+    for row in rows:
+        assert float(row["ttft_ms"]) >= 200 * 0.2 - 0.5, row  # the wait from arrival is never negative

@@ -48,6 +48,11 @@ holds at autoscaling.targetQueueMicroseconds. 0 without traffic (a ratio of zero
 (sum(rate(nv_inference_queue_duration_us{ {{- $sel -}} }[{{ $w }}])) / (sum(rate(nv_inference_request_success{ {{- $sel -}} }[{{ $w }}])) > 0)) or vector(0)
 {{- end }}
 
+{{/* What /weights holds to serve: weights.folder (a whole model's layer files) or weights.file. */}}
+{{- define "colibri.weightsPath" -}}
+/weights/{{ .Values.weights.folder | default .Values.weights.file }}
+{{- end }}
+
 {{/* The settings that contradict each other, refused in one line each. */}}
 {{- define "colibri.validate" -}}
 {{- $w := .Values.weights -}}
@@ -65,6 +70,9 @@ holds at autoscaling.targetQueueMicroseconds. 0 without traffic (a ratio of zero
 {{- end }}
 {{- if and $w.pack.enabled (not $w.fetch.enabled) }}
 {{- fail "weights.pack.enabled converts what weights.fetch wrote to /staging: enable weights.fetch too" }}
+{{- end }}
+{{- if and $w.folder $w.demo }}
+{{- fail (printf "weights.folder (%q) is a whole model's layers; weights.demo writes one random file: keep one" $w.folder) }}
 {{- end }}
 {{- if not (hasSuffix ".colibri.safetensors" $w.file) }}
 {{- fail (printf "weights.file must end in .colibri.safetensors (what colibri pack writes), got %q" $w.file) }}
