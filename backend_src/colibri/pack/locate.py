@@ -10,8 +10,8 @@ from colibri.pack.families import FAMILIES, _model_type, _Plan
 from colibri.pack.formats import FP8_METHODS, _exact_bf16, _expect_mxfp4, _Fp8Weights, dequantize_mxfp4
 from colibri.pack.source import _as_float32, _expect_shape, _fail, _Source
 
-MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
-                      r"(?:gate\.weight|router\.weight|experts\.)")
+MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp|feed_forward)\."
+                      r"(?:gate\.weight|gate\.wg\.weight|router\.weight|experts\.)")
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 
@@ -30,12 +30,12 @@ def _found_layers(source: _Source, blocks) -> dict:
 def _refuse_without_moe(source: _Source, hf, src) -> None:
     """Refuses weights without any MoE block at once, before the family or the routing is asked
     about: a dense model has nothing to pack whatever --unverified-routing or --top-k say."""
-    if _found_layers(source, ("block_sparse_moe", "mlp")):
+    if _found_layers(source, ("block_sparse_moe", "mlp", "feed_forward")):
         return
     expert = next((n for n in sorted(source.where) if "expert" in n.lower()), None)
     if expert is not None:
         raise _fail(f"{src}: no MoE layer pack can read: expert tensors such as {expert} are not under "
-                    "layers.N.mlp or layers.N.block_sparse_moe, the layouts pack reads")
+                    "layers.N.mlp, layers.N.block_sparse_moe or layers.N.feed_forward, the layouts pack reads")
     model_type, _ = _model_type(hf or {})
     count = f"{len(source.where)} tensors"
     if model_type in FAMILIES:  # the config says MoE, the tensors do not: e.g. one shard of several
@@ -161,7 +161,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
             _expect_shape(source, layer.shared_gate, (1, H))
             layer.used.add(layer.shared_gate)
     if plan.correction_bias:
-        name = base + "gate.e_score_correction_bias"
+        name = base + plan.correction_bias_name
         if name in source or not plan.family.startswith("generic"):
             _expect_shape(source, name, (E,))
             layer.correction_bias = name
