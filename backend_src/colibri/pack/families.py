@@ -303,6 +303,55 @@ def _lara_mini(hf):
                  moe_layers=lambda i: True, dense_rule="every layer is MoE")
 
 
+def _cohere2_moe(hf):
+    """Top-k on the logits, then a softmax over the k (gpt-oss's order) or their sigmoids (renormalised with
+    norm_topk_prob); shared experts as wide as the routed ones, summed (or averaged, refused)."""
+    _require_silu(hf, "cohere2_moe")
+    select = _get(hf, "expert_selection_fn", "softmax")
+    if select not in ("softmax", "sigmoid"):
+        raise _fail(f"config.json expert_selection_fn={select!r}: transformers' cohere2_moe knows softmax and sigmoid")
+    n_shared, F = _get(hf, "num_shared_experts", 0), _get(hf, "intermediate_size", 14336)
+    combine = _get(hf, "shared_expert_combination_strategy", "average")
+    if n_shared > 0 and combine != "sum":
+        raise _fail(f"config.json shared_expert_combination_strategy={combine!r}: Cohere2-MoE then halves the sum of the "
+                    "routed and shared outputs, and Colibri's shared expert has no scale of its own")
+    return _Plan("cohere2_moe", _get(hf, "num_experts", 8), _get(hf, "num_experts_per_tok", 2), F,
+                 "topk_softmax" if select == "softmax" else "sigmoid_bias",
+                 select == "sigmoid" and bool(_get(hf, "norm_topk_prob", True)),
+                 shared_intermediate_size=F * n_shared, shared_name="shared_experts" if n_shared else None,
+                 moe_layers=lambda i: True, dense_rule="every layer is MoE")
+
+
+def _afmoe(hf):
+    F, dense = _get(hf, "moe_intermediate_size", 1408), _get(hf, "num_dense_layers", 1)
+    n_shared = _get(hf, "num_shared_experts", 2)
+    plan = _sigmoid_topk(hf, "afmoe", 64, 6, 1408, scale_key="route_scale",
+                         shared=("shared_experts", F * n_shared) if n_shared else None, bias="expert_bias",
+                         layers=((lambda i: i >= dense), f"num_dense_layers={dense}"))
+    plan.router = "router.gate"
+    return plan
+
+
+def _beam(hf):
+    """DeepSeek-V3's router (sigmoid, bias, group top-2 sums) without shared experts; the scale applies to the
+    routed output, which is the weights times it."""
+    plan = _sigmoid_grouped(dict(hf, n_routed_experts=_get(hf, "num_experts", 256)), "beam",
+                            dict(E=256, F=2560, n_group=8, topk_group=4, dense=3, scale=2.5, shared=0))
+    moe, rule = _typed_layers(hf)
+    if moe is not None:
+        plan.moe_layers, plan.dense_rule = moe, rule
+    return plan
+
+
+def _jamba(hf):
+    _require_silu(hf, "jamba")
+    period, offset = _get(hf, "expert_layer_period", 2), _get(hf, "expert_layer_offset", 1)
+    return _Plan("jamba", _get(hf, "num_experts", 16), _get(hf, "num_experts_per_tok", 2),
+                 _get(hf, "intermediate_size", 14336), "softmax_topk", False, blocks=("feed_forward",),
+                 router="router", moe_layers=lambda i: i % period == offset,
+                 dense_rule=f"expert_layer_period={period}, expert_layer_offset={offset}")
+
+
 def _typed_layers(hf):
     """config.json's mlp_layer_types ('dense' / 'sparse' per layer), which the newer families' decoder
     layers follow; None (the tensors tell) without it."""
@@ -356,7 +405,13 @@ FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_mo
                                      bias="e_score_correction_bias"),
             "mimo_v2_flash": _dsv3_like("mimo_v2_flash", E=256, F=2048, n_group=1, topk_group=1, dense=1, scale=1.0,
                                         shared=0),
-            "mistral4": _mistral4, "minimax_m2": _minimax_m2, "hy_v3": _hy_v3, "laguna": _laguna, "flint": _flint,
+            # Configurations of their own over Glm4MoeForCausalLM and DeepseekV3ForCausalLM.
+            "param2moe": _dsv3_like("param2moe", E=64, F=2048, n_group=1, topk_group=1, dense=1, scale=2.5, k=6,
+                                    shared=2, bias="gate.expert_bias"),
+            "sarvam_moe": _dsv3_like("sarvam_moe", E=128, F=1024, n_group=1, topk_group=1, dense=1, scale=2.5, k=6,
+                                     bias="gate.expert_bias"),
+            "sarvam_mla": _dsv3_like("sarvam_mla", E=128, F=2048, n_group=1, topk_group=1, dense=1, scale=2.5),
+            "cohere2_moe": _cohere2_moe, "afmoe": _afmoe, "beam": _beam, "jamba": _jamba, "mistral4": _mistral4, "minimax_m2": _minimax_m2, "hy_v3": _hy_v3, "laguna": _laguna, "flint": _flint,
             "lfm2_moe": _lfm2_moe, "hunyuan_v1_moe": _hunyuan_v1_moe, "lara_mini": _lara_mini}
 REFUSED_FAMILIES = {
     "phimoe": "PhiMoE's sparsemixer routing is not implemented (its top-2 selection and weights differ from "
@@ -376,7 +431,9 @@ ALIASES = {"mixtral": {"num_experts": "num_local_experts"}, "qwen3_moe": _TO_NUM
            **{family: _TO_N_ROUTED for family in ("deepseek_v32", "glm_moe_dsa", "dots1", "glm4_moe_lite",
                                                   "glm4v_moe_text", "solar_open", "minicpm5_moe", "mimo_v2_flash",
                                                   "mistral4")},
-           "exaone_moe": {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts"},
+           **{family: {"num_local_experts": "n_routed_experts", "num_experts": "n_routed_experts",
+                       "num_shared_experts": "n_shared_experts"}
+              for family in ("exaone_moe", "param2moe", "sarvam_moe", "sarvam_mla")},
            "kimi_linear": {"num_experts": "n_routed_experts", "num_local_experts": "n_routed_experts",
                            "num_shared_experts": "n_shared_experts", "num_expert_group": "n_group",
                            "moe_renormalize": "norm_topk_prob", "num_experts_per_token": "num_experts_per_tok"}}
@@ -429,7 +486,9 @@ BLOCK_CLASSES = {"mixtral": ("mixtral", "MixtralSparseMoeBlock"), "qwen2_moe": (
                  "laguna": ("laguna", "LagunaSparseMoeBlock"), "flint": ("flint", "FlintSparseMoeBlock"),
                  "lfm2_moe": ("lfm2_moe", "Lfm2MoeSparseMoeBlock"),
                  "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunYuanMoEV1Moe"),
-                 "lara_mini": ("lara_mini", "LaraMiniSparseMoeBlock")}
+                 "lara_mini": ("lara_mini", "LaraMiniSparseMoeBlock"), "param2moe": ("glm4_moe", "Glm4MoeMoE"),
+                 "cohere2_moe": ("cohere2_moe", "Cohere2MoeSparseMoeBlock"), "afmoe": ("afmoe", "AfmoeSparseMoeBlock"),
+                 "beam": ("beam", "BeamMoE"), "jamba": ("jamba", "JambaSparseMoeBlock"), "sarvam_moe": ("glm4_moe", "Glm4MoeMoE"), "sarvam_mla": ("deepseek_v3", "DeepseekV3MoE")}
 
 
 def _generic(hf, overrides):
