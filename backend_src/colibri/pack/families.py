@@ -5,6 +5,7 @@ import json
 import pathlib
 
 from colibri.pack.formats import FP8_METHODS, _Fp8Scheme, _fp8_scheme
+from colibri.pack.refused import REFUSED_FAMILIES
 from colibri.pack.source import _fail
 
 
@@ -313,8 +314,8 @@ def _cohere2_moe(hf):
     n_shared, F = _get(hf, "num_shared_experts", 0), _get(hf, "intermediate_size", 14336)
     combine = _get(hf, "shared_expert_combination_strategy", "average")
     if n_shared > 0 and combine != "sum":
-        raise _fail(f"config.json shared_expert_combination_strategy={combine!r}: Cohere2-MoE then halves the sum of the "
-                    "routed and shared outputs, and Colibri's shared expert has no scale of its own")
+        raise _fail(f"config.json shared_expert_combination_strategy={combine!r}: Cohere2-MoE then halves the sum "
+                    "of the routed and shared outputs, and Colibri's shared expert has no scale of its own")
     return _Plan("cohere2_moe", _get(hf, "num_experts", 8), _get(hf, "num_experts_per_tok", 2), F,
                  "topk_softmax" if select == "softmax" else "sigmoid_bias",
                  select == "sigmoid" and bool(_get(hf, "norm_topk_prob", True)),
@@ -394,7 +395,8 @@ FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_mo
             "glm_moe_dsa": _dsv3_like("glm_moe_dsa", E=256, F=2048, n_group=1, topk_group=1, dense=3, scale=2.5),
             "dots1": _dsv3_like("dots1", E=None, F=1408, n_group=1, topk_group=1, dense=0, scale=1.0, k=None,
                                 norm=False, shared=None),
-            "kimi_linear": _dsv3_like("kimi_linear", ("block_sparse_moe",), E=256, F=1024, n_group=1, topk_group=1, dense=1, scale=2.446),
+            "kimi_linear": _dsv3_like("kimi_linear", ("block_sparse_moe",), E=256, F=1024, n_group=1, topk_group=1,
+                                      dense=1, scale=2.446),
             "glm4_moe_lite": _dsv3_like("glm4_moe_lite", E=64, F=1536, n_group=1, topk_group=1, dense=1, scale=1.8,
                                         k=4),
             "glm4v_moe_text": _dsv3_like("glm4v_moe_text", E=128, F=1408, n_group=1, topk_group=1, dense=1, scale=1.0),
@@ -411,14 +413,12 @@ FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_mo
             "sarvam_moe": _dsv3_like("sarvam_moe", E=128, F=1024, n_group=1, topk_group=1, dense=1, scale=2.5, k=6,
                                      bias="gate.expert_bias"),
             "sarvam_mla": _dsv3_like("sarvam_mla", E=128, F=2048, n_group=1, topk_group=1, dense=1, scale=2.5),
-            "cohere2_moe": _cohere2_moe, "afmoe": _afmoe, "beam": _beam, "jamba": _jamba, "mistral4": _mistral4, "minimax_m2": _minimax_m2, "hy_v3": _hy_v3, "laguna": _laguna, "flint": _flint,
+            "cohere2_moe": _cohere2_moe, "afmoe": _afmoe, "beam": _beam, "jamba": _jamba, "mistral4": _mistral4,
+            "minimax_m2": _minimax_m2, "hy_v3": _hy_v3, "laguna": _laguna, "flint": _flint,
             "lfm2_moe": _lfm2_moe, "hunyuan_v1_moe": _hunyuan_v1_moe, "lara_mini": _lara_mini}
-REFUSED_FAMILIES = {
-    "phimoe": "PhiMoE's sparsemixer routing is not implemented (its top-2 selection and weights differ from "
-              "every Colibri routing; packing it as softmax top-k would compute something else)",
-    "kimi_k2": "transformers has no kimi_k2 model to check Kimi-K2's routing against (its config names "
-               "DeepseekV3ForCausalLM: --unverified-routing packs it with DeepSeek-V3's semantics)",
-}
+# Multimodal model_types whose language model (config.json text_config) is one of FAMILIES: pack reads
+# that model's MoE layers (_model_type), checked by tests/test_families.py with the multimodal model written.
+WRAPPERS = {"qwen3_vl_moe": "qwen3_vl_moe_text", "qwen3_5_moe": "qwen3_5_moe_text", "glm4v_moe": "glm4v_moe_text"}
 # Other names config.json may use for a key the family reads (transformers' attribute_map: e.g.
 # transformers 5.25 writes qwen3_moe's expert count as num_local_experts, the hub's files num_experts).
 _TO_N_ROUTED = {"num_local_experts": "n_routed_experts"}
@@ -427,7 +427,8 @@ ALIASES = {"mixtral": {"num_experts": "num_local_experts"}, "qwen3_moe": _TO_NUM
            "deepseek_v2": {"num_experts": "n_routed_experts"}, "deepseek_v3": _TO_N_ROUTED, "glm4_moe": _TO_N_ROUTED,
            "gpt_oss": {"num_experts": "num_local_experts"}, "minimax": {"num_experts": "num_local_experts"},
            "qwen3_vl_moe_text": _TO_NUM_EXPERTS, "mellum": _TO_NUM_EXPERTS, "flex_olmo": _TO_NUM_EXPERTS,
-           "minimax_m2": _TO_NUM_EXPERTS, "hy_v3": _TO_NUM_EXPERTS, "hunyuan_v1_moe": {"num_experts_per_tok": "moe_topk"},
+           "minimax_m2": _TO_NUM_EXPERTS, "hy_v3": _TO_NUM_EXPERTS,
+           "hunyuan_v1_moe": {"num_experts_per_tok": "moe_topk"},
            **{family: _TO_N_ROUTED for family in ("deepseek_v32", "glm_moe_dsa", "dots1", "glm4_moe_lite",
                                                   "glm4v_moe_text", "solar_open", "minicpm5_moe", "mimo_v2_flash",
                                                   "mistral4")},
@@ -488,7 +489,8 @@ BLOCK_CLASSES = {"mixtral": ("mixtral", "MixtralSparseMoeBlock"), "qwen2_moe": (
                  "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunYuanMoEV1Moe"),
                  "lara_mini": ("lara_mini", "LaraMiniSparseMoeBlock"), "param2moe": ("glm4_moe", "Glm4MoeMoE"),
                  "cohere2_moe": ("cohere2_moe", "Cohere2MoeSparseMoeBlock"), "afmoe": ("afmoe", "AfmoeSparseMoeBlock"),
-                 "beam": ("beam", "BeamMoE"), "jamba": ("jamba", "JambaSparseMoeBlock"), "sarvam_moe": ("glm4_moe", "Glm4MoeMoE"), "sarvam_mla": ("deepseek_v3", "DeepseekV3MoE")}
+                 "beam": ("beam", "BeamMoE"), "jamba": ("jamba", "JambaSparseMoeBlock"),
+                 "sarvam_moe": ("glm4_moe", "Glm4MoeMoE"), "sarvam_mla": ("deepseek_v3", "DeepseekV3MoE")}
 
 
 def _generic(hf, overrides):
@@ -528,7 +530,7 @@ def _model_type(hf):
     that is the family pack knows."""
     model_type = hf.get("model_type")
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
-    if model_type not in FAMILIES and text.get("model_type") in FAMILIES:
+    if model_type not in FAMILIES and model_type not in REFUSED_FAMILIES and text.get("model_type") in FAMILIES:
         return text["model_type"], {**hf, **text}
     return model_type, hf
 

@@ -30,8 +30,8 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     module, name = BLOCK_CLASSES[family]
     # quantization_config left out: the block is built in fp32, loaded with dequantised weights
     # a multimodal model's text settings only (families._model_type merged them in)
-    config_dict = {k: v for k, v in _model_type(hf)[1].items()
-                   if k not in ("model_type", "transformers_version", "quantization_config") and not k.endswith("_config")}
+    config_dict = {k: v for k, v in _model_type(hf)[1].items() if not k.endswith("_config")
+                   and k not in ("model_type", "transformers_version", "quantization_config")}
     # A block built on its own never has the experts implementation a whole model would choose, so
     # transformers warns that none is set: name its plain PyTorch one ("eager") as the reference.
     config = AutoConfig.for_model(family, **{**config_dict, "experts_implementation": "eager"})

@@ -151,7 +151,8 @@ FAMILIES = {
     "mistral4": (dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, intermediate_size=40,
                       n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=True, first_k_dense_replace=1,
                       q_lora_rank=16, **MLA),
-                 dict(routing="softmax_topk", renormalize=True, routed_scaling_factor=1.5, shared_intermediate_size=48)),
+                 dict(routing="softmax_topk", renormalize=True, routed_scaling_factor=1.5,
+                      shared_intermediate_size=48)),
     "minimax_m2": (dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=24, head_dim=8),
                    dict(routing="sigmoid_bias", renormalize=True)),
     "hy_v3": (dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, intermediate_size=40,
@@ -182,7 +183,8 @@ GAINS = {"gpt_oss": {"experts.gate_up_proj": 7.0}}
 GPT_OSS_SWIGLU = dict(swiglu_limit=5.0, swiglu_alpha=1.3)
 
 
-# Families whose model is written as the multimodal model around it (its text_config), as released.
+# Families written as the multimodal model around them (their text_config), as released: family -> the
+# multimodal model_type.
 WRAPPERS = {"qwen3_vl_moe_text": "qwen3_vl_moe", "glm4v_moe_text": "glm4v_moe", "qwen3_5_moe_text": "qwen3_5_moe"}
 CAUSAL_LM = {"mistral4": ("mistral4", "Mistral4ForCausalLM")}
 TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=H)
@@ -208,7 +210,8 @@ def write_model(family, folder, **overrides):
     torch.manual_seed(sum(family.encode()))
     text = {**COMMON, **fields, **overrides}
     if family in WRAPPERS:
-        config = transformers.AutoConfig.for_model(WRAPPERS[family], text_config=text, vision_config=TINY_VISION)
+        config = transformers.AutoConfig.for_model(WRAPPERS[family], text_config=text,
+                                                   vision_config=TINY_VISION)
         model = transformers.AutoModelForImageTextToText.from_config(config).float().eval()
     else:
         config = transformers.AutoConfig.for_model(family, **text)
