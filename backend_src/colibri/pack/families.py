@@ -38,6 +38,7 @@ class _Plan:
     # (name in the checkpoint, name in transformers' block) prefixes, where the released layout that
     # save_pretrained writes names a tensor otherwise than the block does (for --verify)
     renames: tuple = ()
+    fused: tuple = ("experts.gate_up_proj", "experts.down_proj")   # fused experts [E, 2F, H] and [E, H, F]
     moe_layers: object = None        # layer index -> whether it is an MoE layer (None: unknown)
     dense_rule: str = ""             # the config fields moe_layers follows, for messages
     num_layers: int = None
@@ -353,6 +354,18 @@ def _jamba(hf):
                  dense_rule=f"expert_layer_period={period}, expert_layer_offset={offset}")
 
 
+def _granitemoe(hf):
+    """Top-k on the logits, then a softmax over the k; experts fused as input_linear [E, 2F, H] (gate rows
+    first) and output_linear [E, H, F], the router as router.layer."""
+    _require_silu(hf, "granitemoe")
+    return _Plan("granitemoe", _get(hf, "num_local_experts", 8), _get(hf, "num_experts_per_tok", 2),
+                 _get(hf, "intermediate_size", 11008), "topk_softmax", False, blocks=("block_sparse_moe",),
+                 router="router.layer", fused=("input_linear.weight", "output_linear.weight"),
+                 renames=(("input_linear.weight", "experts.gate_up_proj"), ("output_linear.weight", "experts.down_proj"),
+                          ("router.layer.", "router.")),
+                 moe_layers=lambda i: True, dense_rule="every layer is MoE")
+
+
 def _typed_layers(hf):
     """config.json's mlp_layer_types ('dense' / 'sparse' per layer), which the newer families' decoder
     layers follow; None (the tensors tell) without it."""
@@ -413,7 +426,7 @@ FAMILIES = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_mo
             "sarvam_moe": _dsv3_like("sarvam_moe", E=128, F=1024, n_group=1, topk_group=1, dense=1, scale=2.5, k=6,
                                      bias="gate.expert_bias"),
             "sarvam_mla": _dsv3_like("sarvam_mla", E=128, F=2048, n_group=1, topk_group=1, dense=1, scale=2.5),
-            "cohere2_moe": _cohere2_moe, "afmoe": _afmoe, "beam": _beam, "jamba": _jamba, "mistral4": _mistral4,
+            "cohere2_moe": _cohere2_moe, "granitemoe": _granitemoe, "afmoe": _afmoe, "beam": _beam, "jamba": _jamba, "mistral4": _mistral4,
             "minimax_m2": _minimax_m2, "hy_v3": _hy_v3, "laguna": _laguna, "flint": _flint,
             "lfm2_moe": _lfm2_moe, "hunyuan_v1_moe": _hunyuan_v1_moe, "lara_mini": _lara_mini}
 # Multimodal model_types whose language model (config.json text_config) is one of FAMILIES: pack reads
@@ -459,7 +472,7 @@ ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_
                  "MiniMaxForCausalLM": "minimax", "Qwen3NextForCausalLM": "qwen3_next",
                  "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "MellumForCausalLM": "mellum",
                  "FlexOlmoForCausalLM": "flex_olmo", "DeepseekV32ForCausalLM": "deepseek_v32",
-                 "GlmMoeDsaForCausalLM": "glm_moe_dsa", "Dots1ForCausalLM": "dots1",
+                 "GlmMoeDsaForCausalLM": "glm_moe_dsa", "GraniteMoeForCausalLM": "granitemoe", "Dots1ForCausalLM": "dots1",
                  "KimiLinearForCausalLM": "kimi_linear", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                  "SolarOpenForCausalLM": "solar_open", "MiniCPM5MoeForCausalLM": "minicpm5_moe",
                  "ExaoneMoeForCausalLM": "exaone_moe", "MiMoV2FlashForCausalLM": "mimo_v2_flash",
@@ -488,7 +501,7 @@ BLOCK_CLASSES = {"mixtral": ("mixtral", "MixtralSparseMoeBlock"), "qwen2_moe": (
                  "lfm2_moe": ("lfm2_moe", "Lfm2MoeSparseMoeBlock"),
                  "hunyuan_v1_moe": ("hunyuan_v1_moe", "HunYuanMoEV1Moe"),
                  "lara_mini": ("lara_mini", "LaraMiniSparseMoeBlock"), "param2moe": ("glm4_moe", "Glm4MoeMoE"),
-                 "cohere2_moe": ("cohere2_moe", "Cohere2MoeSparseMoeBlock"), "afmoe": ("afmoe", "AfmoeSparseMoeBlock"),
+                 "cohere2_moe": ("cohere2_moe", "Cohere2MoeSparseMoeBlock"), "granitemoe": ("granitemoe", "GraniteMoeMoE"), "afmoe": ("afmoe", "AfmoeSparseMoeBlock"),
                  "beam": ("beam", "BeamMoE"), "jamba": ("jamba", "JambaSparseMoeBlock"),
                  "sarvam_moe": ("glm4_moe", "Glm4MoeMoE"), "sarvam_mla": ("deepseek_v3", "DeepseekV3MoE")}
 

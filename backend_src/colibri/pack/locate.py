@@ -11,7 +11,7 @@ from colibri.pack.formats import FP8_METHODS, _exact_bf16, _expect_mxfp4, _Fp8We
 from colibri.pack.source import _as_float32, _expect_shape, _fail, _Source
 
 MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp|feed_forward)\."
-                      r"(?:gate\.weight|gate\.wg\.weight|router\.weight|experts\.)")
+                      r"(?:gate\.weight|gate\.wg\.weight|router\.weight|router\.layer\.weight|experts\.)")
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 
@@ -141,7 +141,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     if plan.gpt_oss:
         layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size, plan.quantization)
     else:
-        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router, plan.fp8)
+        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router, plan.fp8, plan.fused)
     layer.used.add(router)
     if plan.shared_intermediate_size:
         Fs = plan.shared_intermediate_size
@@ -176,9 +176,10 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     return layer
 
 
-def _locate_swiglu(source, base, E, H, F_config, router, fp8_scheme=None) -> _Layer:
-    if base + "experts.gate_up_proj" in source:
-        gate_up, down = base + "experts.gate_up_proj", base + "experts.down_proj"
+def _locate_swiglu(source, base, E, H, F_config, router, fp8_scheme=None,
+                   fused=("experts.gate_up_proj", "experts.down_proj")) -> _Layer:
+    if base + fused[0] in source:
+        gate_up, down = base + fused[0], base + fused[1]
         if down not in source:
             raise _fail(f"missing {down} (the fused layout needs gate_up_proj and down_proj)")
         shape = source.info(gate_up).shape

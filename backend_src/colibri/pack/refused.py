@@ -85,10 +85,9 @@ REFUSED_FAMILIES = {
     # Computable with today's features; what is missing is pack's side.
     "dbrx": _NOT_MAPPED.format(what="softmax top-k renormalised by moe_normalize_expert_weights = 1; experts as "
                                     "transformer.blocks.N.ffn.experts.mlp.w1/v1/w2"),
-    "granitemoe": _NOT_MAPPED.format(what="top-k then softmax; experts as input_linear/output_linear"),
-    "granitemoeshared": _NOT_MAPPED.format(what="top-k then softmax and a shared MLP; input_linear/output_linear"),
-    "granitemoehybrid": _NOT_MAPPED.format(what="top-k then softmax and a shared MLP; input_linear/output_linear"),
-    "granitemoe_swa": _NOT_MAPPED.format(what="top-k then softmax and a shared MLP; input_linear/output_linear"),
+    **{name: _NOT_MAPPED.format(what="Granite-MoE's block, plus the decoder layer's shared_mlp beside it, which "
+                                     "pack would fold into the layer as its shared expert")
+       for name in ("granitemoeshared", "granitemoehybrid", "granitemoe_swa")},
     "aria_text": _NOT_MAPPED.format(what="top-k then softmax and shared experts; transposed fused experts"),
     "aria": _NOT_MAPPED.format(what="top-k then softmax and shared experts; transposed fused experts"),
     "qwen3_omni_moe_text": _NOT_MAPPED.format(what="Qwen3-MoE's block"),

@@ -136,6 +136,8 @@ FAMILIES = {
     "cohere2_moe": (dict(num_experts=8, num_experts_per_tok=3, intermediate_size=24, num_shared_experts=2,
                          shared_expert_combination_strategy="sum", expert_selection_fn="softmax", head_dim=8),
                     dict(routing="topk_softmax", renormalize=False, shared_intermediate_size=48)),
+    "granitemoe": (dict(num_local_experts=8, num_experts_per_tok=3, intermediate_size=24),
+                   dict(routing="topk_softmax", renormalize=False)),
     "afmoe": (dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, intermediate_size=40,
                    num_shared_experts=2, route_scale=1.7, num_dense_layers=1, head_dim=8),
               dict(routing="sigmoid_bias", renormalize=True, routed_scaling_factor=1.7, shared_intermediate_size=48)),
@@ -191,12 +193,13 @@ TINY_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, o
 
 
 def moe_blocks(model):
-    """Decoder layer index -> its MoE block (the layers whose mlp, or feed_forward, has experts)."""
+    """Decoder layer index -> its MoE block (the layers whose mlp, feed_forward or block_sparse_moe has experts)."""
     blocks = {}
     decoder = getattr(model.model, "language_model", model.model)
     for i, layer in enumerate(decoder.layers):
-        block = getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
-        if hasattr(block, "experts"):
+        block = next((getattr(layer, name) for name in ("mlp", "feed_forward", "block_sparse_moe")
+                      if hasattr(getattr(layer, name, None), "experts")), None)
+        if block is not None:
             blocks[i] = block
     return blocks
 
