@@ -73,6 +73,14 @@ def test_colibri_cpu_matches_transformers(family, written):
     assert error < 1e-5, f"{family}: colibri CPU vs transformers relative error {error:.3g}"
 
 
+def test_cohere2_moe_sigmoid_selection(tmp_path):
+    """Cohere2-MoE's other expert_selection_fn: top-k on the logits, their sigmoids renormalised (the
+    family's tiny model above selects with softmax); packed and checked against its block by --verify."""
+    write_model("cohere2_moe", tmp_path / "src", expert_selection_fn="sigmoid", norm_topk_prob=True)
+    configs = pack(tmp_path / "src", tmp_path / "layers", layer="all", verify=True, progress=False)
+    assert [(c.routing, c.renormalize) for c in configs] == [("sigmoid_bias", True)] * 2
+
+
 def test_verify_refuses_a_wrong_packing(written, tmp_path, monkeypatch):
     """--verify catches a layer that differs from the model: here routing renormalised against the
     config (an override), so the packed file is deleted."""

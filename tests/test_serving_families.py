@@ -1,4 +1,10 @@
-"""A packed layer of real MoE families, served end to end: tiny random DeepSeek-V3 and Qwen2-MoE models
+"""Every packed MoE family served end to end by the real tritonserver on the CPU: each family's tiny
+random model (colibri.testing.families, every MoE option on) has its first MoE layer packed in fp32 as one
+layer of a folder (a folder shares one request shape, so one folder, and one server start, per top-k), and
+every layer is asked over HTTP/JSON and gRPC, naming it, with the server's own router; the answers must
+match the family's transformers MoE block within 1e-5.
+
+A packed layer of real MoE families, served end to end on its own: tiny random DeepSeek-V3 and Qwen2-MoE models
 written by transformers (colibri.testing.families, every MoE option on), one MoE layer packed in fp32,
 and a DeepSeek-V3 whose experts are stored as its fp8 release stores them (e4m3 weights, 128 x 128
 weight_scale_inv blocks) packed as stored; each served on the CPU by the real tritonserver (one start
@@ -6,6 +12,7 @@ per layer) and asked over HTTP/JSON and gRPC with the server's own router. The a
 family's own transformers MoE block on the same tokens in fp32 (for fp8, loaded with the dequantised
 weights: the CPU computes with exactly those). Needs tritonserver, torch and transformers (skipped
 without them)."""
+import contextlib
 import json
 
 import numpy as np
@@ -22,7 +29,8 @@ pytest.importorskip("transformers")
 
 from colibri import checkpoint  # noqa: E402
 from colibri.pack import block_forward, pack, routing_ties  # noqa: E402
-from colibri.testing.families import dequantized_block, moe_blocks, write_fp8_model, write_model  # noqa: E402
+from colibri.testing.families import FAMILIES, dequantized_block, moe_blocks, write_fp8_model, write_model  # noqa: E402
+from colibri.testing.families import H as FAMILY_H  # noqa: E402
 
 MODEL = "colibri_moe"
 TOKENS = 24
@@ -136,3 +144,54 @@ def test_config_gives_the_packed_dims(served):
     assert {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]} == {
         "hidden_states": [-1, H], "topk_ids": [-1, config.top_k], "topk_weights": [-1, config.top_k],
         "layer": [-1, 1], "output": [-1, H]}
+
+
+# ---- every family, as layers of folders ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def every_family(tmp_path_factory):
+    """family -> (its layer number, its transformers MoE block, the packed layer's path, the Server of its folder)."""
+    folders, layers = {}, {}
+    for number, family in enumerate(sorted(FAMILIES)):
+        src = tmp_path_factory.mktemp(family)
+        index, block = min(moe_blocks(write_model(family, src)).items())
+        staged = tmp_path_factory.mktemp(f"{family}_packed") / "layer.colibri.safetensors"
+        config = pack(src, staged, dtype="fp32", progress=False)  # the first MoE layer
+        folder = folders.setdefault(config.top_k, tmp_path_factory.mktemp(f"top{config.top_k}"))
+        path = staged.rename(folder / f"layer{number}.colibri.safetensors")
+        layers[family] = (number, block, path, config.top_k)
+    with contextlib.ExitStack() as stack:
+        servers = {k: stack.enter_context(serving(folder, tmp_path_factory.mktemp("logs"), "--device", "cpu",
+                                                  "--dtype", "fp32"))
+                   for k, folder in folders.items()}
+        yield {family: (number, block, path, servers[k]) for family, (number, block, path, k) in layers.items()}
+
+
+def infer_layer(protocol, url, x, number):
+    """One request naming its layer: over gRPC, or HTTP with JSON bodies both ways."""
+    client_module = grpcclient if protocol == "grpc" else httpclient
+    tensors = []
+    for name, array, datatype in (("hidden_states", x, "FP32"), ("layer", np.full((len(x), 1), number, np.int32),
+                                                                   "INT32")):
+        tensor = client_module.InferInput(name, list(array.shape), datatype)
+        if protocol == "grpc":
+            tensor.set_data_from_numpy(array)
+        else:
+            tensor.set_data_from_numpy(array, binary_data=False)
+        tensors.append(tensor)
+    with client_module.InferenceServerClient(url) as client:
+        if protocol == "grpc":
+            return client.infer(MODEL, tensors).as_numpy("output")
+        output = httpclient.InferRequestedOutput("output", binary_data=False)
+        return client.infer(MODEL, tensors, outputs=[output]).as_numpy("output")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_served_matches_its_block(every_family, family, rng):
+    number, block, path, server = every_family[family]
+    for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+        for count in (1, TOKENS):
+            x = tokens(path, rng, FAMILY_H, count)
+            assert_matches_block(infer_layer(protocol, url, x, number), block, x,
+                                 f"{family} (layer {number}) over {protocol}, T={count}")

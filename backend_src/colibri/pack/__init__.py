@@ -164,7 +164,10 @@ def _pack_layer(source, plan, index, base, out, dtype, progress, src):
         shared, shared_scales = packed([source.get(n) for n in where.shared] if where.fp8 is None else None,
                                        where.shared)
     if plan.routing == "sigmoid_bias" and where.correction_bias is None:
-        bias, note = np.zeros(E, np.float32), "sigmoid_bias routing without e_score_correction_bias: router_bias zeros"
+        # A family whose sigmoid router has no bias (Flint) selects on sigmoid(l) alone: zeros, no note.
+        bias = np.zeros(E, np.float32)
+        note = ("sigmoid_bias routing without e_score_correction_bias: router_bias zeros" if plan.correction_bias
+                else None)
     else:
         bias, note = (None if where.correction_bias is None else _as_float32(source, where.correction_bias)), None
     told = None  # what the user is told on stderr too

@@ -10,8 +10,8 @@ from colibri.pack.families import FAMILIES, _model_type, _Plan
 from colibri.pack.formats import FP8_METHODS, _exact_bf16, _expect_mxfp4, _Fp8Weights, dequantize_mxfp4
 from colibri.pack.source import _as_float32, _expect_shape, _fail, _Source
 
-MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp)\."
-                      r"(?:gate\.weight|router\.weight|experts\.)")
+MOE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<block>block_sparse_moe|mlp|feed_forward)\."
+                      r"(?:gate\.weight|gate\.wg\.weight|router\.weight|router\.layer\.weight|experts\.)")
 LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 
@@ -30,12 +30,12 @@ def _found_layers(source: _Source, blocks) -> dict:
 def _refuse_without_moe(source: _Source, hf, src) -> None:
     """Refuses weights without any MoE block at once, before the family or the routing is asked
     about: a dense model has nothing to pack whatever --unverified-routing or --top-k say."""
-    if _found_layers(source, ("block_sparse_moe", "mlp")):
+    if _found_layers(source, ("block_sparse_moe", "mlp", "feed_forward")):
         return
     expert = next((n for n in sorted(source.where) if "expert" in n.lower()), None)
     if expert is not None:
         raise _fail(f"{src}: no MoE layer pack can read: expert tensors such as {expert} are not under "
-                    "layers.N.mlp or layers.N.block_sparse_moe, the layouts pack reads")
+                    "layers.N.mlp, layers.N.block_sparse_moe or layers.N.feed_forward, the layouts pack reads")
     model_type, _ = _model_type(hf or {})
     count = f"{len(source.where)} tensors"
     if model_type in FAMILIES:  # the config says MoE, the tensors do not: e.g. one shard of several
@@ -141,7 +141,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     if plan.gpt_oss:
         layer = _locate_gpt_oss(source, base, E, H, plan.intermediate_size, plan.quantization)
     else:
-        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router, plan.fp8)
+        layer = _locate_swiglu(source, base, E, H, plan.intermediate_size, router, plan.fp8, plan.fused)
     layer.used.add(router)
     if plan.shared_intermediate_size:
         Fs = plan.shared_intermediate_size
@@ -161,7 +161,7 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
             _expect_shape(source, layer.shared_gate, (1, H))
             layer.used.add(layer.shared_gate)
     if plan.correction_bias:
-        name = base + "gate.e_score_correction_bias"
+        name = base + plan.correction_bias_name
         if name in source or not plan.family.startswith("generic"):
             _expect_shape(source, name, (E,))
             layer.correction_bias = name
@@ -176,9 +176,10 @@ def _locate(source: _Source, base: str, plan: _Plan) -> _Layer:
     return layer
 
 
-def _locate_swiglu(source, base, E, H, F_config, router, fp8_scheme=None) -> _Layer:
-    if base + "experts.gate_up_proj" in source:
-        gate_up, down = base + "experts.gate_up_proj", base + "experts.down_proj"
+def _locate_swiglu(source, base, E, H, F_config, router, fp8_scheme=None,
+                   fused=("experts.gate_up_proj", "experts.down_proj")) -> _Layer:
+    if base + fused[0] in source:
+        gate_up, down = base + fused[0], base + fused[1]
         if down not in source:
             raise _fail(f"missing {down} (the fused layout needs gate_up_proj and down_proj)")
         shape = source.info(gate_up).shape

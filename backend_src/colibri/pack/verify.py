@@ -5,7 +5,7 @@ import numpy as np
 from colibri import checkpoint, fp8
 from colibri import safetensors_io as st
 from colibri.dtypes import from_float, to_float32
-from colibri.pack.families import BLOCK_CLASSES, _gpt_oss
+from colibri.pack.families import BLOCK_CLASSES, _gpt_oss, _model_type
 from colibri.pack.locate import PER_EXPERT_NAMES, _locate
 from colibri.pack.source import _as_float32, _fail
 
@@ -29,8 +29,9 @@ def transformers_block(family: str, hf: dict, tensors: dict):
     from transformers import AutoConfig
     module, name = BLOCK_CLASSES[family]
     # quantization_config left out: the block is built in fp32, loaded with dequantised weights
-    config_dict = {k: v for k, v in hf.items()
-                   if k not in ("model_type", "transformers_version", "quantization_config")}
+    # a multimodal model's text settings only (families._model_type merged them in)
+    config_dict = {k: v for k, v in _model_type(hf)[1].items() if not k.endswith("_config")
+                   and k not in ("model_type", "transformers_version", "quantization_config")}
     # A block built on its own never has the experts implementation a whole model would choose, so
     # transformers warns that none is set: name its plain PyTorch one ("eager") as the reference.
     config = AutoConfig.for_model(family, **{**config_dict, "experts_implementation": "eager"})
@@ -130,6 +131,14 @@ def _as_packed(value, relative, layout, packed) -> np.ndarray:
     return out
 
 
+def _renamed(relative, renames):
+    """A checkpoint tensor's name in transformers' block (plan.renames)."""
+    for stored, block in renames:
+        if relative.startswith(stored):
+            return block + relative[len(stored):]
+    return relative
+
+
 def _verify(source, hf, plan, base, path, tokens=64, seed=0):
     family = plan.family
     if family not in BLOCK_CLASSES:
@@ -142,7 +151,7 @@ def _verify(source, hf, plan, base, path, tokens=64, seed=0):
     tensors = {}
     for name in source.where:
         if name.startswith(base) and not name.endswith("_scales") and name not in scales:
-            relative = name[len(base):]
+            relative = _renamed(name[len(base):], plan.renames)
             if name.endswith("_blocks"):
                 # The check uses transformers' own dequantisation, not pack's.
                 relative = relative[:-len("_blocks")]
