@@ -110,6 +110,34 @@ def serve(folder, log, device, port_base=8700):
     raise SystemExit(f"bench_ttft: the server was not ready in 600 s; see {log}")
 
 
+class NullExperts:
+    """An expert tier that computes nothing (zeros): what the attention tier costs by itself."""
+
+    def __init__(self, model):
+        from colibri.attention import loading
+        self.layers = set(loading.moe_blocks(model))
+        self.hidden_size = model.config.hidden_size
+
+    def forward(self, layer, hidden):
+        import torch
+        return torch.zeros_like(hidden)
+
+    def close(self):
+        pass
+
+
+def set_experts(model, implementation):
+    """transformers' experts implementation of the model: "eager" (its loop over experts), or None for
+    its default (grouped_mm where torch can)."""
+    if implementation is None:
+        implementation = model.get_correct_experts_implementation(None) \
+            if hasattr(model, "get_correct_experts_implementation") else "grouped_mm"
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(implementation)
+    else:
+        model.config._experts_implementation = implementation
+
+
 def gib(device):
     import torch
     return f"{torch.cuda.memory_allocated() / 2**30:.1f}" if device.startswith("cuda") else "-"
@@ -122,7 +150,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--protocols", default="eager,inprocess,cudashm,grpc")
+    p.add_argument("--protocols", default="eager,transformers,null,inprocess,cudashm,grpc",
+                   help="eager: transformers' loop over experts; transformers: its default experts (grouped_mm); "
+                        "null: the attention tier alone")
     p.add_argument("--sweep", default="0.3,0.5,0.7,0.9",
                    help="offered loads of the sweep, as fractions of each tier's capacity (1 / its warm request)")
     p.add_argument("--fixed-load", type=float, default=0.5, help="the fixed load as a fraction of eager's capacity")
@@ -180,19 +210,25 @@ def main(argv=None):
 
     sweep = [float(r) for r in args.sweep.split(",") if r]
     fixed = args.fixed_rate or None
-    if "eager" in protocols:
-        eager = AttentionTier.eager(model)
+    # The baselines: transformers' model with its own experts, as its "eager" loop over experts (the
+    # issue's baseline, which sets the fixed load) and as its default (grouped_mm where torch has it).
+    for name, implementation in (("eager", "eager"), ("transformers", None)):
+        if name not in protocols:
+            continue
+        set_experts(model, implementation)
+        result.setdefault("experts_implementation", {})[name] = model.config._experts_implementation
 
-        def eager_rates(capacity):
+        def baseline_rates(capacity):
             result["fixed_rate"] = fixed or round(args.fixed_load * capacity, 3)
             return [result["fixed_rate"]]
-        measure("eager", eager, eager_rates)
+        measure(name, AttentionTier.eager(model), [fixed] if fixed else baseline_rates)
         fixed = result["fixed_rate"]
-        del eager
     ttft_model.pack_fp8(model, packed, log=log)
     log(f"packed; model without experts: {gib(args.device)} GiB")
     fixed = fixed or 1.0
     result["fixed_rate"] = fixed
+    if "null" in protocols:  # the attention tier alone: experts that answer zeros at once
+        measure("attention only", AttentionTier(model, NullExperts(model)), [])
 
     def rates(capacity):  # the fixed load, then the sweep's fractions of this tier's own capacity
         return [fixed] + sorted(round(f * capacity, 3) for f in sweep)
@@ -224,8 +260,17 @@ def report(result, out, budget_ms):
              "| tier | offered req/s | n | P50 TTFT ms | P99 TTFT ms | P99 TPOT ms |", "|---|---|---|---|---|---|"]
     for name, runs in result["runs"].items():
         for s in runs["points"]:
-            lines.append(f"| {name} | {s['rate']:.2f} | {s['n']}/{s['offered']} | {s['ttft_p50_ms']:.0f} | "
+            lines.append(f"| {name} | {s['rate']:.2f} | {s['n']}/{s['offered']}{'' if s['complete'] else ' (overloaded: cut)'} | {s['ttft_p50_ms']:.0f} | "
                          f"{s['ttft_p99_ms']:.0f} | {s['tpot_p99_ms']:.1f} |")
+    lines += ["", "Warm, one request alone (min of 3): prefill = TTFT without queueing; the expert tier's share per "
+              "MoE layer = (tier - attention only) / MoE layers.", "",
+              "| tier | prefill ms | TPOT ms | prefill share / layer ms | TPOT share / layer ms |", "|---|---|---|---|---|"]
+    alone = result["runs"].get("attention only")
+    layers = int(result["args"].get("layers", "48"))
+    for name, runs in result["runs"].items():
+        share = (f"{(runs['warm_prefill_ms'] - alone['warm_prefill_ms']) / layers:.2f} | "
+                 f"{(runs['warm_tpot_ms'] - alone['warm_tpot_ms']) / layers:.3f}") if alone else "- | -"
+        lines.append(f"| {name} | {runs['warm_prefill_ms']:.1f} | {runs['warm_tpot_ms']:.2f} | {share} |")
     lines.append("")
     fixed = result.get("fixed_rate")
     base = next((s for s in result["runs"].get("eager", {}).get("points", []) if s["rate"] == fixed), None)
@@ -233,7 +278,7 @@ def report(result, out, budget_ms):
         ok = [s["rate"] for s in runs["points"] if s["ttft_p99_ms"] <= budget_ms and s["complete"]]
         at = next((s for s in runs["points"] if s["rate"] == fixed), None)
         ratio = f", P99 TTFT {at['ttft_p99_ms'] / base['ttft_p99_ms']:.2f}x eager's at {fixed:.2f}/s" \
-            if base and at else ""
+            if base and at and at["complete"] and base["complete"] else ""
         lines.append(f"- {name}: highest offered load within P99 TTFT {budget_ms:.0f} ms: "
                      f"{max(ok) if ok else 'none measured'}{ratio}")
     (out / "ttft.md").write_text("\n".join(lines) + "\n")
