@@ -79,7 +79,8 @@ def gpu_reference(model_dir, rng, prompts=3):
     while len(found) < prompts:
         prompt = [int(i) for i in rng.integers(0, reference.config.vocab_size, int(rng.integers(2, 40)))]
         with torch.no_grad():
-            out = reference.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=NEW_TOKENS,
+            ids = torch.tensor([prompt], device="cuda")  # the mask: else ids equal to pad_token_id are padding
+            out = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
                                      do_sample=False, eos_token_id=None, output_scores=True,
                                      return_dict_in_generate=True)
         tops = [torch.topk(s[0].double(), 2).values for s in out.scores]

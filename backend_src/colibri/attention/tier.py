@@ -2,6 +2,7 @@
 attention with its KV cache, norms, dense MLP layers, lm_head) with every MoE block computed by an
 expert tier, and greedy generation timed as a user feels it."""
 import dataclasses
+import inspect
 import time
 
 import torch
@@ -47,6 +48,10 @@ class AttentionTier:
         self.model, self.experts = model.eval(), experts
         self.moe_layers = loading.moe_layers(model)
         self.device = next(model.parameters()).device
+        # transformers 5.25 names the KV cache argument `cache`, earlier 5.x `past_key_values`; a wrong name
+        # would be swallowed by **kwargs and every step would run without the cache.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_name = "cache" if "cache" in parameters else "past_key_values"
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
 
     @classmethod
@@ -110,13 +115,13 @@ class AttentionTier:
             self._synchronize()
             started = time.perf_counter()
             inputs = torch.tensor([ids], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=inputs, cache=cache, use_cache=True, logits_to_keep=1).logits
+            logits = self.model(input_ids=inputs, **{self._cache_name: cache}, use_cache=True, logits_to_keep=1).logits
             token = logits[:, -1].argmax(-1)
             tokens.append(int(token))
             self._synchronize()
             first = time.perf_counter()
             for _ in range(int(max_new_tokens) - 1):
-                logits = self.model(input_ids=token[:, None], cache=cache, use_cache=True).logits
+                logits = self.model(input_ids=token[:, None], **{self._cache_name: cache}, use_cache=True).logits
                 token = logits[:, -1].argmax(-1)
                 tokens.append(int(token))
             self._synchronize()
