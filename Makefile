@@ -43,9 +43,10 @@ endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
 # instances/: the expert kernels, one unit per weight dtype and activation tag, so that make -j compiles
-# them side by side (csrc/src/cuda/experts_instances.cuh). The longest units are listed first, so that
-# make -j starts them first and the short ones fill the gaps at the end.
-CUDA_SRCS   := $(wildcard csrc/src/cuda/instances/*.cu) csrc/src/cuda/route.cu \
+# them side by side (csrc/src/cuda/experts_instances.cuh). The longest units (fp8, then the other
+# instances and route.cu) are listed first, so that make -j starts them first and short ones end it.
+CUDA_FIRST  := $(wildcard csrc/src/cuda/instances/experts_fp8_*.cu)
+CUDA_SRCS   := $(CUDA_FIRST) $(filter-out $(CUDA_FIRST),$(wildcard csrc/src/cuda/instances/*.cu)) csrc/src/cuda/route.cu \
                $(filter-out csrc/src/cuda/route.cu,$(wildcard csrc/src/cuda/*.cu))
 comma := ,
 # 90 builds sm_90a (wgmma, TMA; from CUDA 12) in place of plain sm_90: a cc 9.0 device loads the sm_90a
