@@ -11,7 +11,7 @@
 #   make check-cuda11   compile the CUDA sources with CUDA 11.8 (sm_80, sm_90), fetched from Debian
 #   make test-cuda      the CUDA correctness harness on the GPU (CUDA_HARNESS_ARGS=--quick; empty: full),
 #                       and the fp8 tensor-core kernels alone where sm_90 is built
-# Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (sm_90a is added for 90),
+# Options: CUDA=0 to skip the CUDA backend, CUDA_ARCH="80 90" (90: sm_90a from CUDA 12; SM90A=0 plain sm_90),
 #          CFLAGS_ARCH=-march=native, PYTHON=python3.12, VENV=.venv, PIP_ARGS="--extra-index-url ..."
 SHELL := /bin/bash
 .DEFAULT_GOAL := all
@@ -43,15 +43,24 @@ endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
 # instances/: the expert kernels, one unit per weight dtype and activation tag, so that make -j compiles
-# them side by side (csrc/src/cuda/experts_instances.cuh)
-CUDA_SRCS   := $(wildcard csrc/src/cuda/*.cu csrc/src/cuda/instances/*.cu)
+# them side by side (csrc/src/cuda/experts_instances.cuh). The longest units (fp8, then the other
+# instances and route.cu) are listed first, so that make -j starts them first and short ones end it.
+CUDA_FIRST  := $(wildcard csrc/src/cuda/instances/experts_fp8_*.cu)
+CUDA_SRCS   := $(CUDA_FIRST) $(filter-out $(CUDA_FIRST),$(wildcard csrc/src/cuda/instances/*.cu)) csrc/src/cuda/route.cu \
+               $(filter-out csrc/src/cuda/route.cu,$(wildcard csrc/src/cuda/*.cu))
 comma := ,
-# sm_90a (wgmma) exists from CUDA 12: an 11.8 toolkit builds plain sm_90, and the library falls back
-# to its sm_80/sm_90 kernels on any device without the sm_90a image.
+# 90 builds sm_90a (wgmma, TMA; from CUDA 12) in place of plain sm_90: a cc 9.0 device loads the sm_90a
+# image when there is one, so a plain sm_90 image beside it would never run (it cost a third of the
+# build). An 11.8 toolkit, or SM90A=0, builds plain sm_90, and the library then falls back to its
+# sm_80/sm_90 kernels (experts.cu's wgmma_probe_kernel tells which image the device loaded).
 NVCC_MAJOR  := $(if $(NVCC),$(shell $(NVCC) --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\..*/\1/p'))
-NVCC_GENCODE := $(foreach a,$(CUDA_ARCH),-gencode=arch=compute_$(a),code=sm_$(a)) \
-                $(if $(and $(filter 90,$(CUDA_ARCH)),$(filter-out 9 10 11,$(NVCC_MAJOR))),-gencode=arch=compute_90a$(comma)code=sm_90a)
-NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr $(NVCC_GENCODE)
+SM90A       ?= $(if $(filter-out 9 10 11,$(NVCC_MAJOR)),1,0)
+NVCC_SM90A  := $(and $(filter 90,$(CUDA_ARCH)),$(filter 1,$(SM90A)))
+NVCC_GENCODE := $(foreach a,$(filter-out $(if $(NVCC_SM90A),90),$(CUDA_ARCH)),-gencode=arch=compute_$(a),code=sm_$(a)) \
+                $(if $(NVCC_SM90A),-gencode=arch=compute_90a$(comma)code=sm_90a)
+# --threads 2: a unit's two images compile side by side (the last units of make -j2 would otherwise
+# run on one core)
+NVCCFLAGS   ?= -O3 -std=c++17 -Xcompiler -fPIC -Xcompiler -fopenmp --expt-relaxed-constexpr --threads 2 $(NVCC_GENCODE)
 
 C_SRCS      := $(filter-out csrc/src/cuda_stub.c,$(wildcard csrc/src/*.c)) $(wildcard csrc/src/cpu/*.c)
 C_OBJS      := $(patsubst csrc/%.c,$(BUILD)/obj/%.o,$(C_SRCS))
@@ -72,7 +81,7 @@ else
 endif
 OBJS        := $(C_OBJS) $(BACKEND_OBJS)
 BACKEND_ID  := $(if $(CUDA_BUILT),cuda $(NVCC_GENCODE),cpu)
-HEADERS     := csrc/include/colibri.h csrc/src/internal.h $(wildcard csrc/src/*/*.h) $(wildcard csrc/src/*/*.cuh)
+HEADERS     := csrc/include/colibri.h $(wildcard csrc/src/*.h csrc/src/*/*.h csrc/src/*/*.cuh)
 
 LIB_SO      := $(BUILD)/libcolibri.so
 LIB_A       := $(BUILD)/libcolibri.a

@@ -18,11 +18,10 @@ STATUS_INTERNAL = lib.COLIBRI_ERR_INTERNAL
 
 DTYPE_CODES = {name: getattr(lib, d.c_enum) for name, d in DTYPES.items()}
 EXPERT_KIND_CODES = {"swiglu": lib.COLIBRI_EXPERT_SWIGLU, "linear": lib.COLIBRI_EXPERT_LINEAR}
-ROUTING_CODES = {
-    "softmax_topk": lib.COLIBRI_ROUTING_SOFTMAX_TOPK,
-    "topk_softmax": lib.COLIBRI_ROUTING_TOPK_SOFTMAX,
-    "sigmoid_bias": lib.COLIBRI_ROUTING_SIGMOID_BIAS,
-}
+# colibri.h's COLIBRI_ROUTING_* by their lowercase names ("softmax_topk", ...), in enum order: a routing
+# added to the header needs no entry here
+ROUTING_CODES = dict(sorted(((n[len("COLIBRI_ROUTING_"):].lower(), getattr(lib, n)) for n in dir(lib)
+                            if n.startswith("COLIBRI_ROUTING_")), key=lambda item: item[1]))
 DEVICE_CODES = {"cpu": lib.COLIBRI_DEVICE_CPU, "cuda": lib.COLIBRI_DEVICE_CUDA}
 ACTIVATION_CODES = {"silu": lib.COLIBRI_ACTIVATION_SILU, "swiglu_oai": lib.COLIBRI_ACTIVATION_SWIGLU_OAI}
 GROUP_SCORE_CODES = {"max": lib.COLIBRI_GROUP_SCORE_MAX, "top2_sum": lib.COLIBRI_GROUP_SCORE_TOP2_SUM}

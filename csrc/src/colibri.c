@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtype.h"
 #include "internal.h"
+#include "routing.h"
 
 int32_t colibri_cuda_built(void) { return colibri_cuda_built_impl(); }
 int32_t colibri_cuda_device_count(void) { return colibri_cuda_device_count_impl(); }
@@ -28,8 +30,7 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
         return colibri_set_error(bad, "config.hidden_size must be >= 1, got %d", c->hidden_size);
     if (c->intermediate_size < 1)
         return colibri_set_error(bad, "config.intermediate_size must be >= 1, got %d", c->intermediate_size);
-    if (c->routing != COLIBRI_ROUTING_SOFTMAX_TOPK && c->routing != COLIBRI_ROUTING_TOPK_SOFTMAX &&
-        c->routing != COLIBRI_ROUTING_SIGMOID_BIAS)
+    if (!colibri_route_known(c->routing))
         return colibri_set_error(bad, "config.routing %d is not a known routing", (int)c->routing);
     if (c->renormalize != 0 && c->renormalize != 1)
         return colibri_set_error(bad, "config.renormalize must be 0 or 1, got %d", c->renormalize);
@@ -83,7 +84,7 @@ static colibri_status_t validate_config(const colibri_moe_config_t *c) {
         return colibri_set_error(bad, "config.shared_gate must be 0 or 1, got %d", c->shared_gate);
     if (c->shared_gate && c->shared_intermediate_size == 0)
         return colibri_set_error(bad, "config.shared_gate is 1 but there is no shared expert");
-    if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3) {
+    if (colibri_dtype_scaled(c->weight_dtype)) {
         if (c->scale_block_n < 0 || c->scale_block_k < 0)
             return colibri_set_error(bad, "config.scale_block_n and scale_block_k must be >= 0, got %d, %d",
                                      c->scale_block_n, c->scale_block_k);
@@ -234,7 +235,7 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
     colibri_status_t st = validate_config(config);
     if (st != COLIBRI_OK) return st;
     const colibri_moe_config_t *c = config;
-    const int sigmoid = c->routing == COLIBRI_ROUTING_SIGMOID_BIAS;
+    const int sigmoid = colibri_route_uses_bias(c->routing);
     if (sigmoid && w->router_weight && !w->router_bias && !c->routing_fn)
         return colibri_set_error(bad, "SIGMOID_BIAS routing needs router_bias");
     if (!sigmoid && (st = check_given(w->router_bias, 0, "router_bias", "only SIGMOID_BIAS routing uses it")))
@@ -244,7 +245,7 @@ colibri_status_t colibri_moe_context_create(colibri_moe_context_t **out_ctx, con
                           "config.shared_intermediate_size > 0")) ||
         (st = check_given(w->shared_gate_weight, c->shared_gate, "shared_gate_weight", "config.shared_gate is 1")))
         return st;
-    const int fp8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3;
+    const int fp8 = colibri_dtype_scaled(c->weight_dtype);
     if ((st = check_given(w->expert_scales, fp8, "expert_scales", "the weights are fp8")) ||
         (st = check_given(w->shared_scales, fp8 && c->shared_intermediate_size > 0, "shared_scales",
                           "the weights are fp8 and there is a shared expert")))
@@ -354,7 +355,7 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
     w.router_weight = router_weight;
     /* this entry point has always ignored router_bias outside SIGMOID_BIAS routing, after checking that
      * it is finite like every weight it is given */
-    const int sigmoid = config && config->routing == COLIBRI_ROUTING_SIGMOID_BIAS;
+    const int sigmoid = config && colibri_route_uses_bias(config->routing);
     if (!sigmoid && router_weight && router_bias && config && config->num_experts > 0) {
         colibri_status_t st;
         free(copy_finite_floats(router_bias, (size_t)config->num_experts, "router_bias", &st));
@@ -369,7 +370,8 @@ colibri_status_t colibri_moe_context_init(colibri_moe_context_t **out_ctx, const
 
 /* Bytes of an activation element, 0 for a dtype activations cannot have (fp8 is for weights only). */
 static size_t activation_size(colibri_dtype_t dtype) {
-    return dtype == COLIBRI_DTYPE_F8E4M3 ? 0 : colibri_dtype_size(dtype);
+    const colibri_dtype_info_t d = colibri_dtype_info(dtype);
+    return d.activation ? d.size : 0;
 }
 
 colibri_status_t colibri_moe_forward(colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,

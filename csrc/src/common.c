@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "dtype.h"
 #include "internal.h"
 
 #if defined(__GNUC__) || defined(__clang__)
@@ -43,15 +44,7 @@ const char *colibri_status_string(colibri_status_t status) {
     return "unknown status";
 }
 
-size_t colibri_dtype_size(colibri_dtype_t dtype) {
-    switch (dtype) {
-    case COLIBRI_DTYPE_F32: return 4;
-    case COLIBRI_DTYPE_F16: return 2;
-    case COLIBRI_DTYPE_BF16: return 2;
-    case COLIBRI_DTYPE_F8E4M3: return 1;
-    }
-    return 0;
-}
+size_t colibri_dtype_size(colibri_dtype_t dtype) { return colibri_dtype_info(dtype).size; }
 
 uint64_t colibri_expert_numel(colibri_expert_kind_t kind, int32_t hidden_size, int32_t intermediate_size) {
     if (hidden_size < 1 || intermediate_size < 1) return 0;

@@ -580,13 +580,11 @@ static void route_token(const colibri_moe_config_t *cfg, const float *router_bia
     const int32_t E = cfg->num_experts, k = cfg->top_k;
     float *select = scratch, *chosen = scratch + E, *group = scratch + E + k;
     float mx = -INFINITY, sum = 0.0f;
-    if (cfg->routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
+    if (colibri_route_softmax_all(cfg->routing)) {
         for (int32_t e = 0; e < E; e++) mx = logits[e] > mx ? logits[e] : mx;
-        for (int32_t e = 0; e < E; e++) sum += expf(logits[e] - mx);
+        for (int32_t e = 0; e < E; e++) sum += colibri_route_softmax_term(logits[e], mx);
     }
-    for (int32_t e = 0; e < E; e++)
-        select[e] = colibri_route_select(cfg->routing, logits[e], colibri_route_prob(cfg->routing, logits[e], mx, sum),
-                                         router_bias, e);
+    for (int32_t e = 0; e < E; e++) select[e] = colibri_route_select(cfg->routing, logits[e], router_bias, e);
     if (cfg->n_group > 1) colibri_route_limit_groups(select, E, cfg->n_group, cfg->topk_group, cfg->group_score, group);
     top_k(select, E, k, ids, chosen);
     for (int32_t j = 0; j < k; j++) weights[j] = colibri_route_prob(cfg->routing, logits[ids[j]], mx, sum);

@@ -6,6 +6,7 @@
 #ifndef COLIBRI_CUDA_SUPPORTS_H
 #define COLIBRI_CUDA_SUPPORTS_H
 
+#include "dtype.h"
 #include "internal.h"
 
 static inline colibri_status_t colibri_cuda_supports(const colibri_moe_config_t *c, const colibri_moe_weights_t *w) {
@@ -14,7 +15,7 @@ static inline colibri_status_t colibri_cuda_supports(const colibri_moe_config_t 
     /* the warp top-k ranks the groups with one lane each */
     if (c->n_group > 32) missing = "group-limited routing with more than 32 groups";
     /* the fp8 kernels give 16 consecutive weights of a row one scale, found by a shift */
-    else if (c->weight_dtype == COLIBRI_DTYPE_F8E4M3 && c->scale_block_k != 0 &&
+    else if (colibri_dtype_scaled(c->weight_dtype) && c->scale_block_k != 0 &&
              (c->scale_block_k < 16 || (c->scale_block_k & (c->scale_block_k - 1)) != 0))
         missing = "fp8 weights with a scale_block_k other than 0 or a power of two from 16 on";
     /* the shared slices take SiLU while the routed experts take the OAI tag: one tag per launch */

@@ -1,7 +1,7 @@
 /*
  * dtype.cuh — the CUDA backend's dtypes in one place: the C++ type of each colibri_dtype_t and the
- * dispatch to it, the fp8 weight type, the compute dtype of each weight dtype, conversions to and from
- * fp32 and the vector loads the kernels share. A new weight dtype starts here.
+ * dispatch to it, the fp8 weight type, the compute type of each weight type (its facts: ../dtype.h),
+ * conversions to and from fp32 and the vector loads the kernels share. A new weight dtype starts here.
  */
 #ifndef COLIBRI_CUDA_DTYPE_CUH
 #define COLIBRI_CUDA_DTYPE_CUH
@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "colibri.h"
+#include "dtype.h"
 
 template <class T> struct DtypeTag { using type = T; };
 
@@ -44,7 +45,7 @@ template <class TW> struct ComputeOf { using type = TW; };
 template <> struct ComputeOf<F8E4M3> { using type = __nv_bfloat16; };
 template <class TW> using compute_t = typename ComputeOf<TW>::type;
 static inline colibri_dtype_t colibri_cuda_compute_dtype(const colibri_moe_config_t *c) {
-    return c->weight_dtype == COLIBRI_DTYPE_F8E4M3 ? COLIBRI_DTYPE_BF16 : c->weight_dtype;
+    return colibri_dtype_info(c->weight_dtype).compute;
 }
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -114,7 +115,7 @@ template <int N> __device__ __forceinline__ void f8_to_f32(const Pack<F8E4M3, N>
 /* Whether weight type TW is fp8 (scaled: the kernels take a ScaleGrid and widen 16 weights a load). */
 template <class TW> constexpr bool is_fp8 = std::is_same<TW, F8E4M3>::value;
 
-/* What K must be a multiple of for the 16-byte weight loads of weight dtype d: 16 fp8, else 8. */
-static inline int colibri_cuda_vec_multiple(colibri_dtype_t d) { return d == COLIBRI_DTYPE_F8E4M3 ? 16 : 8; }
+/* What K must be a multiple of for the 16-byte weight loads of weight dtype d (dtype.h) */
+static inline int colibri_cuda_vec_multiple(colibri_dtype_t d) { return colibri_dtype_info(d).vec_k; }
 
 #endif /* COLIBRI_CUDA_DTYPE_CUH */

@@ -1,6 +1,7 @@
 /*
  * route.cu — built-in routing on the GPU: router logits [T, E] = x @ router^T in fp32, then one warp
- * per token turns a row of logits into top-k ids and weights (colibri.h, colibri_routing_t).
+ * per token turns a row of logits into top-k ids and weights (colibri.h, colibri_routing_t), every value
+ * formed by routing.h, the math the CPU backend uses too; this file keeps only the parallel structure.
  * Up to 8 tokens: route_small_kernel, whose last block also picks the top-k and, inside a forward,
  * permutes (permute.cuh). From ROUTE_GEMM_MIN_T tokens and ROUTE_GEMM_MIN_E experts: a tiled GEMM
  * (route_mma_kernel, route_gemm_kernel); else the gemv of gemv.cuh; either then topk_kernel. Every path
@@ -13,12 +14,6 @@
 #include "sm80_mma.cuh"
 #include "permute.cuh"
 #include "routing.h"
-
-/* The selection score of routing.h; only SIGMOID_BIAS selects on p, which needs no softmax sums. */
-__device__ __forceinline__ float selection_score(colibri_routing_t routing, float logit, const float *bias, int e) {
-    const float p = routing == COLIBRI_ROUTING_SIGMOID_BIAS ? colibri_route_prob(routing, logit, 0.0f, 1.0f) : logit;
-    return colibri_route_select(routing, logit, p, bias, e);
-}
 
 struct TopkArgs {
     const float *bias;
@@ -44,12 +39,9 @@ __device__ __forceinline__ unsigned topk_kept_groups(const float *l, const TopkA
         float first = -INFINITY, second = -INFINITY;
         for (int i = 0; i < size; i++) {
             const int e = lane * size + i;
-            const float v = selection_score(p.routing, __ldcg(l + e), p.bias, e);
-            if (v > first) second = first, first = v;
-            else if (v > second) second = v;
+            colibri_route_group_add(colibri_route_select(p.routing, __ldcg(l + e), p.bias, e), &first, &second);
         }
-        gs = p.group_score == COLIBRI_GROUP_SCORE_TOP2_SUM ? first + second : first;
-        if (gs != gs) gs = -INFINITY;
+        gs = colibri_route_group_score(p.group_score, first, second);
     }
     int rank = 0; /* groups ranked before this lane's */
     for (int h = 0; h < p.n_group; h++) rank += colibri_route_before(__shfl_sync(0xffffffffu, gs, h), h, gs, lane);
@@ -90,8 +82,8 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float sum = 0.0f;
-    if (routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
-        for_lane_logits(v, l, E, lane, [&](float x, int) { sum += expf(x - mx); });
+    if (colibri_route_softmax_all(routing)) {
+        for_lane_logits(v, l, E, lane, [&](float x, int) { sum += colibri_route_softmax_term(x, mx); });
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
@@ -108,7 +100,7 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         float best_s = -INFINITY, best_l = 0.0f;
         int best_e = 0x7fffffff;
         for_lane_logits(v, l, E, lane, [&](float x, int e) {
-            const float s = !LIMITED || ((kept >> (e / gsize)) & 1u) ? selection_score(routing, x, p.bias, e)
+            const float s = !LIMITED || ((kept >> (e / gsize)) & 1u) ? colibri_route_select(routing, x, p.bias, e)
                                                                       : -INFINITY;
             const bool after_prev = s < prev_s || (s == prev_s && e > prev_e);
             if (after_prev && colibri_route_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
@@ -134,7 +126,7 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
 /* The warp top-k below serves E <= 64: a lane holds experts lane and lane + 32. */
 #define TOPK_RANK_MAX_E 64
 
-/* A selection score as an unsigned key in the same order (scores are never NaN: selection_score made
+/* A selection score as an unsigned key in the same order (scores are never NaN: colibri_route_select made
  * those -inf; -0 keyed as +0, which compares equal to it); 0 is below every score's key. */
 __device__ __forceinline__ unsigned topk_key(float s) {
     const unsigned u = __float_as_uint(s == 0.0f ? 0.0f : s);
@@ -153,8 +145,8 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
     const colibri_routing_t routing = p.routing;
     const bool h0 = lane < E, h1 = lane + 32 < E;
     const float x0 = h0 ? __ldcg(l + lane) : 0.0f, x1 = h1 ? __ldcg(l + lane + 32) : 0.0f;
-    unsigned q0 = h0 ? topk_key(selection_score(routing, x0, p.bias, lane)) : 0u;
-    unsigned q1 = h1 ? topk_key(selection_score(routing, x1, p.bias, lane + 32)) : 0u;
+    unsigned q0 = h0 ? topk_key(colibri_route_select(routing, x0, p.bias, lane)) : 0u;
+    unsigned q1 = h1 ? topk_key(colibri_route_select(routing, x1, p.bias, lane + 32)) : 0u;
     if (p.n_group > 1) { /* experts of the groups dropped score -inf, as in routing.h */
         const unsigned kept = topk_kept_groups(l, p, lane);
         if (h0 && !topk_allowed(p, kept, lane)) q0 = topk_key(-INFINITY);
@@ -166,9 +158,9 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     float sum = 0.0f;
-    if (routing == COLIBRI_ROUTING_SOFTMAX_TOPK) {
-        if (h0) sum += expf(x0 - mx);
-        if (h1) sum += expf(x1 - mx);
+    if (colibri_route_softmax_all(routing)) {
+        if (h0) sum += colibri_route_softmax_term(x0, mx);
+        if (h1) sum += colibri_route_softmax_term(x1, mx);
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
@@ -190,26 +182,24 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
         const unsigned m = __ballot_sync(0xffffffffu, r0 == j || r1 == j);
         return __shfl_sync(0xffffffffu, r0 == j ? v0 : v1, __ffs(m) - 1);
     };
-    float norm = 1.0f;
-    if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX) {
-        const float m = pick(0, w0, w1); /* the first pick has the largest logit */
-        w0 = expf(w0 - m);
-        w1 = expf(w1 - m);
-    }
-    if (routing == COLIBRI_ROUTING_TOPK_SOFTMAX || p.renormalize) {
-        float s = 0.0f;
-        for (int j = 0; j < k; j++) s += pick(j, w0, w1);
-        if (s > 0.0f) norm = s; /* as colibri_route_weights */
-    }
+    /* colibri_route_weights, each lane for its two experts: the warp gathers the first pick and the sum
+     * over the picks (in pick order) only where the routing needs them */
+    const float first = colibri_route_softmax_picks(routing) ? pick(0, w0, w1) : 0.0f;
+    w0 = colibri_route_unnormed(routing, w0, first);
+    w1 = colibri_route_unnormed(routing, w1, first);
+    float sum_picks = 0.0f;
+    if (colibri_route_sums_picks(routing, p.renormalize))
+        for (int j = 0; j < k; j++) sum_picks += pick(j, w0, w1);
+    const float norm = colibri_route_norm(routing, p.renormalize, sum_picks);
     int32_t *ids_t = p.ids + (size_t)t * k;
     float *w_t = p.wts + (size_t)t * k;
     if (r0 < k) {
         ids_t[r0] = lane;
-        w_t[r0] = w0 / norm * p.scale;
+        w_t[r0] = colibri_route_weight(w0, norm, p.scale);
     }
     if (r1 < k) {
         ids_t[r1] = lane + 32;
-        w_t[r1] = w1 / norm * p.scale;
+        w_t[r1] = colibri_route_weight(w1, norm, p.scale);
     }
 }
 

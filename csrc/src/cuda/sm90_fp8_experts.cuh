@@ -2,8 +2,9 @@
  * sm90_fp8_experts.cuh — wgmma_fp8_kernel, the fp8 e4m3 expert projection on Hopper tensor cores (sm_90a,
  * CUDA 12 tensor maps): 128-row tiles of permute.cu's table, activations quantised per row and 128
  * columns (fp8_quant.cuh), weights with fp32 block, channel or tensor scales (colibri.h). Its tensor map
- * and launch too. The design follows wgmma_ws_kernel (docs/cuda-design.md): a producer warpgroup fills a ring
- * (weights by TMA, token rows gathered by cp.async), two consumer warpgroups multiply and store.
+ * and launch too. The design follows wgmma_ws_kernel (docs/cuda-design.md): a producer warpgroup fills the
+ * ring of sm90_tma_ring.cuh (weights by TMA, token rows gathered by cp.async), two consumer warpgroups
+ * multiply and store.
  */
 #ifndef COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
 #define COLIBRI_CUDA_SM90_FP8_EXPERTS_CUH
@@ -112,12 +113,7 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
     extern __shared__ char smem[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     if (tid == WG_THREADS) {
-        for (int sl = 0; sl < F8_STAGES; sl++) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(f8_full_bar(sbase, sl)), "r"(P_THREADS + 1)
-                         : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(f8_empty_bar(sbase, sl)), "r"(WG_THREADS / 32)
-                         : "memory");
-        }
+        ring_init(f8_full_bar(sbase, 0), 16, F8_STAGES, P_THREADS + 1, WG_THREADS / 32);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -130,47 +126,29 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
         const uint32_t my_off = swz<64>(r0, c);
         const uint64_t map = reinterpret_cast<uint64_t>(&wmap);
         if (p == 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
-        int slot = 0;
-        uint32_t parity = 1; /* of the empty phase to wait for: the first pass through the ring waits for none */
+        RingPos<F8_STAGES> ring = {0, 1u};
         for (int it = blockIdx.x; it < items; it += gridDim.x) {
             int ti, nb;
             wg_item(it, tiles, nblocks, ti, nb);
             const ExpertTile tile = a.tiles[ti];
             int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
-#pragma unroll
-            for (int i = 0; i < A_PER_T; i++) {
-                const int pos = tile.begin + r0 + i * ROW_STEP;
-                row[i] = pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
-            }
+            ring_token_rows<A_PER_T, ROW_STEP>(row, tile.begin + r0, tile.end, a.row_map, a.row_div);
             /* the map's rows of the two boxes: a GLU's gate rows and the up rows of the same columns, else
              * the item's 128 rows */
             const int row0 = nb * COLS, row1 = Act::glu ? a.n + nb * COLS : nb * COLS + F8_BN / 2;
             for (int kt = 0; kt < ktiles; kt++) {
-                ws_wait(f8_empty_bar(sbase, slot), parity);
-                /* the products read the slot through the async proxy; the cp.async below write it through
-                 * the generic one */
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                const uint32_t st = sbase + (uint32_t)slot * F8_STAGE_BYTES, full = f8_full_bar(sbase, slot);
+                ring_acquire(f8_empty_bar(sbase, ring.slot), ring.parity);
+                const uint32_t st = sbase + (uint32_t)ring.slot * F8_STAGE_BYTES, full = f8_full_bar(sbase, ring.slot);
                 const int k0 = kt * F8_BK;
                 if (p == 0) {
-                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
-                                 "r"((uint32_t)F8_B_BYTES)
-                                 : "memory");
+                    ring_expect(full, (uint32_t)F8_B_BYTES);
                     ws_tma_rows(st + F8_A_BYTES, map, k0, row0, tile.expert, full);
                     ws_tma_rows(st + F8_A_BYTES + F8_B_BYTES / 2, map, k0, row1, tile.expert, full);
                 }
-                const bool k_ok = k0 + c * 16 < a.k;
-#pragma unroll
-                for (int i = 0; i < A_PER_T; i++) {
-                    const bool ok = row[i] >= 0 && k_ok;
-                    const void *src = ok ? (const void *)(a.x + (size_t)row[i] * a.k + k0 + c * 16) : (const void *)a.x;
-                    cp_async16(st + my_off + i * ROW_STEP * 128, src, ok);
-                }
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
-                if (++slot == F8_STAGES) {
-                    slot = 0;
-                    parity ^= 1u;
-                }
+                ring_gather<A_PER_T, ROW_STEP>(st + my_off, row, a.x, a.k, k0 + c * 16, k0 + c * 16 < a.k,
+                                               (const void *)a.x);
+                ring_commit(full);
+                ring.next();
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
@@ -181,8 +159,7 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(WS_CONSUMER_REGS));
     const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, groups = fp8_groups(a.k);
     float acc[64], part[64];
-    int stage = 0;
-    uint32_t parity = 0; /* of the full phase to wait for */
+    RingPos<F8_STAGES> cons = {0, 0u};
     for (int it = blockIdx.x; it < items; it += gridDim.x) {
         int ti, nb;
         wg_item(it, tiles, nblocks, ti, nb);
@@ -213,11 +190,11 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                         wu_s = Act::glu ? __ldg(wrow + a.w_second_scales + kb) : wg_s;
                     }
                 }
-                ws_wait(f8_full_bar(sbase, stage), parity);
+                ws_wait(f8_full_bar(sbase, cons.slot), cons.parity);
                 if constexpr (MMA) {
                     /* A was written through the generic proxy (cp.async); wgmma reads through the async proxy */
                     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                    const uint32_t st = sbase + (uint32_t)stage * F8_STAGE_BYTES;
+                    const uint32_t st = sbase + (uint32_t)cons.slot * F8_STAGE_BYTES;
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                     for (int ks = 0; ks < F8_BK / 32; ks++)
@@ -228,8 +205,7 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                 }
                 /* this warp is done with the slot */
                 __syncwarp();
-                if (lane == 0)
-                    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(f8_empty_bar(sbase, stage)) : "memory");
+                if (lane == 0) ring_release(f8_empty_bar(sbase, cons.slot));
                 if constexpr (MMA) {
                     const float g0 = s0 * wg_s, g1 = s1 * wg_s, u0 = s0 * wu_s, u1 = s1 * wu_s;
 #pragma unroll
@@ -242,10 +218,7 @@ __global__ void __launch_bounds__(F8_THREADS, 1) wgmma_fp8_kernel(const __grid_c
                         acc[4 * j + 3] = fmaf(part[4 * j + 3], f1, acc[4 * j + 3]);
                     }
                 }
-                if (++stage == F8_STAGES) {
-                    stage = 0;
-                    parity ^= 1u;
-                }
+                cons.next();
             }
         };
         if (tile.end - tile.begin > 64 * wg) k_loop(std::true_type{});

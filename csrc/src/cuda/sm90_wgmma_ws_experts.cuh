@@ -1,14 +1,15 @@
 /*
  * sm90_wgmma_ws_experts.cuh — wgmma_ws_kernel, the warp-specialised 128-row expert tiles of bf16 and fp16
- * weights on Hopper (sm_90a, CUDA 12 tensor maps): a producer warpgroup loads a 4-slot ring by TMA and
- * cp.async, two consumer warpgroups
- * multiply and store; optional cluster multicast, folded tiles and chained projections. Its tensor
- * maps, setup and launch too. docs/cuda-design.md explains it.
+ * weights on Hopper (sm_90a, CUDA 12 tensor maps): a producer warpgroup loads a 4-slot ring
+ * (sm90_tma_ring.cuh) by TMA and cp.async, two consumer warpgroups multiply and store; optional cluster
+ * multicast, folded tiles and chained projections. Its tensor maps, setup and launch too.
+ * docs/cuda-design.md explains it.
  */
 #ifndef COLIBRI_CUDA_SM90_WGMMA_WS_EXPERTS_CUH
 #define COLIBRI_CUDA_SM90_WGMMA_WS_EXPERTS_CUH
 
 #include "gemv.cuh"
+#include "sm90_tma_ring.cuh"
 #include "sm90_wgmma.cuh"
 
 #if COLIBRI_TMA
@@ -175,20 +176,6 @@ __device__ __forceinline__ void ws_chain_wait(const unsigned *ready, int need) {
     }
 }
 
-/* Waits until the phase of parity `parity` of the mbarrier at `bar` has completed (acquire, block scope).
- * A barrier just initialised counts its phase of parity 1 as complete. */
-__device__ __forceinline__ void ws_wait(uint32_t bar, uint32_t parity) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    uint32_t done;
-    do {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-#endif
-}
-
 /* With MC (clusters of two blocks): the item word the cluster's rank 0 hands to rank 1 (in rank 1's
  * shared memory, two alternating words) and the pair of mbarriers of each word: "full" (in rank 1,
  * completed by rank 0's remote arrival after its write) and "empty" (in rank 0, completed by rank 1's
@@ -236,17 +223,6 @@ __device__ __forceinline__ void ws_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 }
 #endif
-
-/* 128 weight rows from `row` x 64 k from k0 of `expert`, by TMA into shared memory at dst, completing
- * bytes on mbarrier `bar` */
-__device__ __forceinline__ void ws_tma_rows(uint32_t dst, uint64_t map, int k0, int row, int expert, uint32_t bar) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                 " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
-                 "l"(map), "r"(k0), "r"(row), "r"(expert), "r"(bar)
-                 : "memory");
-#endif
-}
 
 /* The same 128 rows into the same offset of both blocks of the cluster, completing bytes on each block's
  * mbarrier at `bar`'s offset */
@@ -296,13 +272,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     extern __shared__ char smem[];
     const uint32_t sbase = ((uint32_t)__cvta_generic_to_shared(smem) + 1023u) & ~1023u;
     if (tid == WG_THREADS) {
-        for (int sl = 0; sl < WG_STAGES; sl++) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_full_bar(sbase, sl)), "r"(P_THREADS + 1)
-                         : "memory");
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(ws_empty_bar(sbase, sl)),
-                         "r"((MC ? 2 : 1) * WG_THREADS / 32)
-                         : "memory");
-        }
+        ring_init(ws_full_bar(sbase, 0), WS_OUT_ROW_BYTES, WG_STAGES, P_THREADS + 1, (MC ? 2 : 1) * WG_THREADS / 32);
         if (MC)
             for (int b = 0; b < 2; b++) {
                 asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(ws_chan_full(sbase, b)) : "memory");
@@ -336,8 +306,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         const uint64_t map = reinterpret_cast<uint64_t>(&wmap);
         if (p == 0) asm volatile("prefetch.tensormap [%0];" ::"l"(map) : "memory");
         const T *x = reinterpret_cast<const T *>(a.x);
-        int slot = 0;
-        uint32_t parity = 1; /* of the empty phase to wait for: the first pass through the ring waits for none */
+        RingPos<WG_STAGES> ring = {0, 1u};
         /* Items in the order the blocks ask for them (ws_next_item): thread 0 asks one item ahead and the
          * producer warps read its answer through two alternating words of shared memory. */
         unsigned ahead = 0;
@@ -376,10 +345,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             if (it >= items) {
                 /* no more: the consumers read the end from the next slot, its full phase completed by
                  * 129 plain arrivals once the slot is free */
-                ws_wait(ws_empty_bar(sbase, slot), parity);
-                const uint32_t full = ws_full_bar(sbase, slot);
+                ws_wait(ws_empty_bar(sbase, ring.slot), ring.parity);
+                const uint32_t full = ws_full_bar(sbase, ring.slot);
                 if (p == 0) {
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, slot)), "r"(-1) : "memory");
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, ring.slot)), "r"(-1) : "memory");
                     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
                 }
                 asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(full) : "memory");
@@ -391,39 +360,29 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
             unit(it, ti, nb, share);
             const ExpertTile tile = ti >= 0 ? colibri_tile_ldcg(a.tiles + ti) : ExpertTile{0, 0, 0, 0}; /* none: no rows */
             int row[A_PER_T]; /* x row of each of this thread's tile rows; -1 past the tile's end */
-#pragma unroll
-            for (int i = 0; i < A_PER_T; i++) {
-                const int pos = tile.begin + r0 + i * ROW_STEP;
-                row[i] = pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
-            }
+            ring_token_rows<A_PER_T, ROW_STEP>(row, tile.begin + r0, tile.end, a.row_map, a.row_div);
             /* a folded tile's rows past its 128 (-1: none): rows r0 + i ROW_STEP of the stage's front */
             const bool folded = tile.end - tile.begin > WG_BM;
             int xrow[X_PER_T];
-#pragma unroll
-            for (int i = 0; i < X_PER_T; i++) {
-                const int pos = tile.begin + WG_BM + r0 + i * ROW_STEP;
-                xrow[i] = folded && pos < tile.end ? (a.row_map ? a.row_map[pos] / a.row_div : pos) : -1;
-            }
+            ring_token_rows<X_PER_T, ROW_STEP>(xrow, tile.begin + WG_BM + r0, folded ? tile.end : 0, a.row_map,
+                                               a.row_div);
             /* the map's rows of the two boxes: SWIGLU gate rows and the up rows of the same columns, else
              * the item's 256 rows */
             const int row0 = nb * COLS, row1 = Act::glu ? a.n + nb * COLS : nb * COLS + WG_BN / 2;
             for (int kt = 0; kt < ktiles; kt++) {
-                ws_wait(ws_empty_bar(sbase, slot), parity);
-                /* the products read the slot through the async proxy; the cp.async below write it through
-                 * the generic one */
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+                ring_acquire(ws_empty_bar(sbase, ring.slot), ring.parity);
                 /* the stage: the extra rows, the tile's 128 rows (A), the weight rows (B) */
-                const uint32_t st = sbase + (uint32_t)slot * WS_STAGE_BYTES + WS_X_BYTES, full = ws_full_bar(sbase, slot);
+                const uint32_t st = sbase + (uint32_t)ring.slot * WS_STAGE_BYTES + WS_X_BYTES,
+                               full = ws_full_bar(sbase, ring.slot);
                 const int k0 = kt * WG_BK;
                 if (p == 0) {
                     /* the item, for the consumers, at its first stage (published by the arrival below) */
                     if (kt == 0)
-                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, slot)), "r"(it) : "memory");
+                        asm volatile("st.shared.b32 [%0], %1;" ::"r"(ws_item_word(sbase, ring.slot)), "r"(it)
+                                     : "memory");
                     /* the stage's 256 weight rows: shared, half from each block (both halves land here);
                      * else both from here; none for no tile */
-                    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full),
-                                 "r"(ti >= 0 || share ? (uint32_t)WG_B_BYTES : 0u)
-                                 : "memory");
+                    ring_expect(full, ti >= 0 || share ? (uint32_t)WG_B_BYTES : 0u);
                     if (MC && share) {
                         ws_tma_rows_mc(st + WG_A_BYTES + rank * HALF_B, map, k0, rank ? row1 : row0, tile.expert, full);
                     } else if (ti >= 0) {
@@ -437,25 +396,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                     asm volatile("bar.sync 1, %0;" ::"n"(P_THREADS) : "memory");
                 }
                 const bool k_ok = k0 + c * 8 < a.k;
-#pragma unroll
-                for (int i = 0; i < A_PER_T; i++) {
-                    const bool ok = row[i] >= 0 && k_ok;
-                    const void *src = ok ? (const void *)(x + (size_t)row[i] * a.k + k0 + c * 8) : a.x;
-                    cp_async16(st + my_off + i * ROW_STEP * 128, src, ok);
-                }
-                if (folded) {
-#pragma unroll
-                    for (int i = 0; i < X_PER_T; i++) {
-                        const bool ok = xrow[i] >= 0 && k_ok;
-                        const void *src = ok ? (const void *)(x + (size_t)xrow[i] * a.k + k0 + c * 8) : a.x;
-                        if (r0 + i * ROW_STEP < WS_EXTRA_ROWS) cp_async16(st - WS_X_BYTES + my_off + i * ROW_STEP * 128, src, ok);
-                    }
-                }
-                asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full) : "memory");
-                if (++slot == WG_STAGES) {
-                    slot = 0;
-                    parity ^= 1u;
-                }
+                ring_gather<A_PER_T, ROW_STEP>(st + my_off, row, x, a.k, k0 + c * 8, k_ok, a.x);
+                if (folded)
+                    ring_gather<X_PER_T, ROW_STEP>(st - WS_X_BYTES + my_off, xrow, x, a.k, k0 + c * 8, k_ok, a.x, r0,
+                                                   WS_EXTRA_ROWS);
+                ring_commit(full);
+                ring.next();
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
@@ -472,8 +418,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     const int wg = tid >> 7, lane = tid & 31;
     T *out = reinterpret_cast<T *>(a.out);
     float acc[128], xacc[WS_EXTRA_ROWS]; /* xacc: a folded item's last accumulators (ws_mma_t1) */
-    int stage = 0;
-    uint32_t parity = 0; /* of the full phase to wait for */
+    RingPos<WG_STAGES> cons = {0, 0u};
     /* One item's k loop; MODE 0 (false) as in wgmma_kernel (this warpgroup's rows are all past the tile's
      * end): it waits and releases like the other, without products; 1 (true) the products of a tile of at
      * most 128 rows; 2 a folded tile's transposed ones. Each warp releases a slot once its
@@ -484,7 +429,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     auto release = [&](int slot) {
         __syncwarp();
         if (slot >= 0 && lane == 0) {
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(ws_empty_bar(sbase, slot)) : "memory");
+            ring_release(ws_empty_bar(sbase, slot));
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
             /* with MC the other block refills this slot too (its half of a shared weight block) */
             if constexpr (MC) ws_remote_arrive<false>(ws_cluster_addr(ws_empty_bar(sbase, slot), peer));
@@ -496,11 +441,11 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
         constexpr bool MMA = MODE != 0;
         [[maybe_unused]] int prev = -1; /* the slot whose products may still run (not with DRAIN) */
         for (int kt = 0; kt < ktiles; kt++) {
-            ws_wait(ws_full_bar(sbase, stage), parity);
+            ws_wait(ws_full_bar(sbase, cons.slot), cons.parity);
             if constexpr (MMA) {
                 /* A was written through the generic proxy (cp.async); wgmma reads through the async proxy */
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                const uint32_t st = sbase + (uint32_t)stage * WS_STAGE_BYTES + WS_X_BYTES; /* the tile's 128 rows */
+                const uint32_t st = sbase + (uint32_t)cons.slot * WS_STAGE_BYTES + WS_X_BYTES; /* the tile's 128 rows */
                 asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
                 if constexpr (MODE == 1) {
 #pragma unroll
@@ -524,15 +469,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
                 else asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
             }
             if constexpr (DRAIN) {
-                release(stage);
+                release(cons.slot);
             } else {
                 release(prev);
-                prev = stage;
+                prev = cons.slot;
             }
-            if (++stage == WG_STAGES) {
-                stage = 0;
-                parity ^= 1u;
-            }
+            cons.next();
         }
         if constexpr (!DRAIN) {
             if constexpr (MMA) asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
@@ -547,9 +489,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1) wgmma_ws_kernel(const __grid_co
     };
     for (;;) {
         /* the item the producer loads next, written before its first stage's full phase completes (-1: none) */
-        ws_wait(ws_full_bar(sbase, stage), parity);
+        ws_wait(ws_full_bar(sbase, cons.slot), cons.parity);
         int it;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_item_word(sbase, stage)) : "memory");
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(it) : "r"(ws_item_word(sbase, cons.slot)) : "memory");
         if (it < 0) break;
         int ti, nb;
         bool share;
