@@ -159,6 +159,8 @@ def main(argv=None):
     p.add_argument("--fixed-rate", type=float, default=0.0, help="the fixed load in requests/s (instead)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
     p.add_argument("--budget-ms", type=float, default=200.0)
+    p.add_argument("--give-up-s", type=float, default=30.0,
+                   help="a run whose queue holds a request back this long is overloaded and cut there")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything; later runs are cut")
     p.add_argument("--packed", type=Path, help="folder for the fp8 layers (default OUT/../layers)")
     p.add_argument("--seed", type=int, default=0)
@@ -198,7 +200,7 @@ def main(argv=None):
             if time.perf_counter() > deadline:
                 log(f"{name}: time limit, rate {rate} not run")
                 break
-            run = open_loop(tier, rate, args.duration, prompts, args.new_tokens, args.seed, deadline)
+            run = open_loop(tier, rate, args.duration, prompts, args.new_tokens, args.seed, deadline, args.give_up_s)
             runs["points"].append({**summarise(run), "samples": run["samples"]})
             s = runs["points"][-1]
             log(f"{name} @ {rate:.2f}/s: n={s['n']}/{s['offered']} P99 TTFT {s['ttft_p99_ms']:.0f} ms, "
