@@ -44,14 +44,13 @@ def percentile(values, q):
 
 
 def poisson_arrivals(rate, duration, seed):
-    """Arrival times (s from the start) of a Poisson process of `rate` per second over `duration` s."""
-    rng = np.random.default_rng(seed)
-    times, t = [], 0.0
-    while True:
-        t += rng.exponential(1.0 / rate)
-        if t >= duration:
-            return times
-        times.append(t)
+    """Arrival times (s from the start) over `duration` s: the load test's own Poisson schedule
+    (loadtest/generate.py), so the bench and the generate workload offer load alike."""
+    import itertools
+    import random
+    from colibri.testing import load_script
+    schedule = load_script(Path(__file__).resolve().parents[1] / "loadtest" / "generate.py", "loadtest_generate")
+    return list(itertools.takewhile(lambda t: t < duration, schedule.poisson_arrivals(rate, random.Random(seed))))
 
 
 def open_loop(tier, rate, duration, prompts, new_tokens, seed, deadline, give_up_s=5.0):

@@ -10,6 +10,7 @@ its experts are quantised from GPU memory.
     model = build(qwen3_30b_a3b(), "cuda")          # the eager baseline as it stands
     pack_fp8(model, folder)                        # writes the folder; frees each layer's experts
 """
+import functools
 import time
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import torch
 from colibri import checkpoint
 from colibri.config import LayerConfig
 
-FP8_MAX = 448.0  # e4m3fn's largest finite value
 BLOCK = 128
 
 
@@ -51,13 +51,15 @@ def moe_blocks(model):
 
 
 def quantise_blocks(w):
-    """w [..., N, K] (N, K multiples of 128) as fp8 e4m3 codes and fp32 scales [..., N/128, K/128]."""
-    N, K = w.shape[-2:]
-    blocks = w.float().unflatten(-1, (K // BLOCK, BLOCK)).unflatten(-3, (N // BLOCK, BLOCK))
-    s = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
-    # clamped: amax / (amax / 448) can round a hair above 448, which the cast would make NaN
-    q = (blocks / torch.where(s > 0, s, 1)[..., :, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    return q.to(torch.float8_e4m3fn).flatten(-4, -3).flatten(-2, -1), s
+    """w [..., N, K] as fp8 e4m3 codes and fp32 scales [..., N/128, K/128]: bench_gpu.py's quantiser, so
+    the whole-model figures and the layer rows quantise alike."""
+    return _bench_gpu().quantise_blocks(w, BLOCK, BLOCK)
+
+
+@functools.lru_cache(maxsize=None)
+def _bench_gpu():
+    from colibri.testing import load_script
+    return load_script(Path(__file__).with_name("bench_gpu.py"))
 
 
 def layer_config(config) -> LayerConfig:
