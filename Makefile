@@ -312,8 +312,19 @@ $(BUILD)/tests/check_fp8_gemm: csrc/tests/check_fp8_gemm.cu $(HEADERS)
 	$(NVCC) -O3 -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -Icsrc/include \
 	  -Icsrc/src -Icsrc/src/cuda -o $@ $<
 
+# Every e4m3 code widened as the kernels widen it (csrc/tests/check_fp8_decode.cu): as built for the
+# library's images, and from compute_80 PTX, which the GPU compiles itself (the pre-sm_89 bit moves).
+$(BUILD)/tests/check_fp8_decode: csrc/tests/check_fp8_decode.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 $(NVCC_GENCODE) -Icsrc/include -Icsrc/src -Icsrc/src/cuda -o $@ $<
+$(BUILD)/tests/check_fp8_decode_ptx80: csrc/tests/check_fp8_decode.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(NVCC) -O3 -std=c++17 -gencode=arch=compute_80,code=compute_80 -Icsrc/include -Icsrc/src -Icsrc/src/cuda -o $@ $<
+
 FP8_KERNEL_CHECK := $(if $(filter 90,$(CUDA_ARCH)),$(BUILD)/tests/check_fp8_gemm)
-test-cuda: $(BUILD)/tests/check_cuda $(FP8_KERNEL_CHECK)
+test-cuda: $(BUILD)/tests/check_cuda $(FP8_KERNEL_CHECK) $(BUILD)/tests/check_fp8_decode $(BUILD)/tests/check_fp8_decode_ptx80
 	$< $(CUDA_HARNESS_ARGS)
 	$(if $(FP8_KERNEL_CHECK),$(FP8_KERNEL_CHECK))
+	$(BUILD)/tests/check_fp8_decode
+	$(BUILD)/tests/check_fp8_decode_ptx80
 endif

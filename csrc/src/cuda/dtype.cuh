@@ -51,14 +51,29 @@ static inline colibri_dtype_t colibri_cuda_compute_dtype(const colibri_moe_confi
 __device__ __forceinline__ float to_f32(float v) { return v; }
 __device__ __forceinline__ float to_f32(__half v) { return __half2float(v); }
 __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
-/* e4m3 -> fp16 is exact (one cvt on sm_89 on; cuda_fp8.h emulates it before), NaN stays NaN */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+/* Before sm_89 cuda_fp8.h converts e4m3 in general-purpose code that made the fp8 units' sm_80 image 8x
+ * longer to compile than sm_90a's. e4m3 is fp16 with 3 fewer exponent bits: the 7 magnitude bits moved
+ * under fp16's and scaled by 2^8 give the same value, subnormals included (fp16 keeps subnormals); NaN
+ * (S.1111.111, which would land on 480) is set apart. Two codes: the lower byte goes to .x. */
+__device__ __forceinline__ __half2 e4m3x2_to_half2(uint32_t v) {
+    const uint32_t w = __byte_perm(v, 0u, 0x1404); /* each 16-bit half: its code << 8 */
+    uint32_t h = (w & 0x80008000u) | ((w & 0x7F007F00u) >> 1);
+    if ((w & 0x00007F00u) == 0x00007F00u) h |= 0x00007E00u;
+    if ((w & 0x7F000000u) == 0x7F000000u) h |= 0x7E000000u;
+    return __hmul2(*reinterpret_cast<const __half2 *>(&h), __half2(__half(256.0f), __half(256.0f)));
+}
+__device__ __forceinline__ float to_f32(F8E4M3 v) { return __low2float(e4m3x2_to_half2(v.bits)); }
+__device__ __forceinline__ float2 f8x2_to_f32(__nv_fp8x2_storage_t v) { return __half22float2(e4m3x2_to_half2(v)); }
+#else
+/* e4m3 -> fp16 is exact: one cvt.f16x2.e4m3x2 from sm_89 on (the lower address in .x); NaN stays NaN */
 __device__ __forceinline__ float to_f32(F8E4M3 v) {
     return __half2float(__half(__nv_cvt_fp8_to_halfraw(v.bits, __NV_E4M3)));
 }
-/* Two adjacent e4m3 weights (the lower address in .x) to fp32, exactly: one cvt.f16x2.e4m3x2 on sm_89 on. */
 __device__ __forceinline__ float2 f8x2_to_f32(__nv_fp8x2_storage_t v) {
     return __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(v, __NV_E4M3)));
 }
+#endif
 
 template <class T> __device__ __forceinline__ T from_f32(float v);
 template <> __device__ __forceinline__ float from_f32<float>(float v) { return v; }

@@ -85,14 +85,13 @@ int plan_combine_rows(const CudaBackend *b, size_t row_bytes, int32_t n, int64_t
 int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t num_tokens, colibri_dtype_t act_dtype,
                                     const void *input) {
     const colibri_moe_config_t *c = &ctx->cfg;
-    /* fp8 weights: the fp8 tensor cores where they take the layer (sm90_fp8_experts.cuh), else mma_kernel's tiles of
-     * the weights widened to bf16 where rows are 16-byte multiples (bf16 x), else the gemv */
+    /* fp8 weights: the fp8 tensor cores where they take the layer (sm90_fp8_experts.cuh); else mma_kernel's
+     * tiles where the weight dtype has them (fp8 widened to bf16) and rows are multiples of its mma_k, with x
+     * in the compute dtype 16-byte aligned; else the gemv */
+    const colibri_dtype_info_t w = colibri_dtype_info(c->weight_dtype);
     const bool f8 = c->weight_dtype == COLIBRI_DTYPE_F8E4M3, f8_tc = f8 && colibri_cuda_fp8_tensor_cores(ctx);
-    const bool tensor_cores =
-        f8 ? f8_tc || (c->hidden_size % 16 == 0 && c->intermediate_size % 16 == 0 &&
-                       (act_dtype != COLIBRI_DTYPE_BF16 || colibri_aligned16(input)))
-           : c->weight_dtype != COLIBRI_DTYPE_F32 && c->hidden_size % 8 == 0 && c->intermediate_size % 8 == 0 &&
-                 (act_dtype != c->weight_dtype || colibri_aligned16(input));
+    const bool tensor_cores = f8_tc || (w.mma_k > 0 && c->hidden_size % w.mma_k == 0 && c->intermediate_size % w.mma_k == 0 &&
+                                        (act_dtype != w.compute || colibri_aligned16(input)));
     const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
     if (!tensor_cores || assignments <= GEMV_MAX_ASSIGNMENTS) {
         if (4 * assignments <= E) return 1;

@@ -59,8 +59,7 @@ cudaError_t ExpertProjection<TW, TX, Act>::run(const colibri_moe_context_t *ctx,
     if (tile_m <= GEMV_GROUP) {
         const size_t row_bytes = (size_t)k * sizeof(TW) * (Act::glu ? 2 : 1);
         const int row_blocks = plan_gemv_row_blocks(b, direct_ids != NULL, row_bytes, slots);
-        /* 16-byte loads: 16 fp8 weights, else 8 elements or more */
-        const bool vec = k % (f8 ? 16 : 8) == 0 && x_aligned;
+        const bool vec = k % colibri_cuda_vec_multiple(ctx->cfg.weight_dtype) == 0 && x_aligned; /* 16-byte loads */
         return gemv_launch<TW, TX, compute_t<TW>, Act>(a, slots, tile_m, vec, row_blocks,
                                                        colibri_cuda_scale_grid(ctx, matrix, k), stream);
     }
