@@ -5,6 +5,8 @@ give the floor = max((bytes of the experts touched + activations) / copy BW, FLO
 Every time is the median of many CUDA-event timings of one call, with L2 flushed before each call
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 The weights are drawn with seed 0, each row's tokens with seed T: a row routes the same in every run.
+Beside each bf16 row, the vendor library's ceiling on the same work: torch.matmul (cuBLAS) per expert on
+exactly the GEMMs the layer does (each expert's routed rows, gate and up, SwiGLU, down), one CUDA graph.
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
@@ -57,6 +59,7 @@ FAMILY_SHAPES = {
     "gpt-oss-120b": dict(E=128, k=4, H=2880, F=2880, routing=1, renorm=0, scale=1.0, logit_bias=True,
                          expert_bias=True, alpha=1.702, limit=7.0),
 }
+NAME_W = max(len(name) for name in [s[0] for s in SHAPES] + list(FAMILY_SHAPES))  # the tables' first column
 
 
 class Config(ctypes.Structure):
@@ -177,6 +180,53 @@ def ceilings(timer):
     return copy_bw, 2 * n ** 3 / (mm_ms * 1e-3)
 
 
+def expert_gemms(counts, T, experts, shared=(), pad=1):
+    """The work of a per-expert ceiling: (rows, gate, up, down) of every expert that got rows (counts[e] of
+    them; experts: the gate, up and down stacks [E, N, K]), then of the shared expert (its three matrices,
+    none for no shared expert) against all T rows, rows rounded up to a multiple of pad."""
+    def up_to(m):
+        return -(-m // pad) * pad
+    gate, up, down = experts
+    work = [(up_to(m), gate[e], up[e], down[e]) for e, m in enumerate(counts) if m]
+    return work + [(up_to(T), *shared)] if shared else work
+
+
+def time_ceiling(timer, what, build):
+    """The median replay of one CUDA graph of build()'s function (build makes its inputs), timed as the rows
+    are; nan and the reason where this torch or card cannot run it."""
+    try:
+        graph = graph_of(build())
+        return timer(graph.replay), "ok"
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
+        return float("nan"), f"{what} ceiling failed: {str(err).splitlines()[0][:200]}"
+
+
+def matmul_ceiling(timer, experts, shared, counts, T):
+    """What the vendor library does on a bf16 row's GEMMs: torch.matmul (cuBLAS) per expert with its own
+    weights, gate and up against its routed rows, silu(gate) * up, down against that (the shared expert
+    against all T rows), in one CUDA graph; no routing, biases, shared gate or combine. experts: the bf16
+    gate, up and down stacks [E, F, H], [E, F, H], [E, H, F]; shared: the shared expert's three or ()."""
+    def build():
+        work = expert_gemms(counts, T, experts, shared)
+        H = experts[0].shape[2]
+        acts = {m: torch.randn(m, H, device="cuda", dtype=torch.bfloat16) for m in {m for m, *_ in work}}
+
+        def gemms():
+            for m, gate, up, down in work:
+                swiglu(acts[m], gate, up, down)
+        return gemms
+    return time_ceiling(timer, "torch.matmul", build)
+
+
+def print_row(row, extra=""):
+    """One bf16 row as the live table prints it (main prints the header)."""
+    print(f"{row['shape']:{NAME_W}s} {row['T']:5d} {row['colibri_ms']:8.3f} {row['eager_ms']:8.3f} "
+          f"{row['grouped_ms']:8.3f} {row['matmul_ceiling_ms']:8.3f} {row['speedup_vs_eager']:7.2f} "
+          f"{row['speedup_vs_grouped']:7.2f} {row['fraction_of_matmul_ceiling']:8.2f} {row['floor_ms']:8.3f} "
+          f"{row['fraction_of_floor']:6.2f} {row['rel_err_vs_eager']:8.1e}"
+          + ("" if row["matmul_ceiling_status"] == "ok" else f"   {row['matmul_ceiling_status']}") + extra, flush=True)
+
+
 def route(x, router, k, renormalize):
     probs = torch.softmax(x.float() @ router.T, dim=-1)
     w, ids = torch.topk(probs, k, dim=-1)
@@ -278,22 +328,23 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             # rows per expert of this draw (by the reference router): what the tile counts depend on
             counts = torch.bincount(route(x, router, k, renorm)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
+            t_mm, mm_status = matmul_ceiling(timer, (w1, w3, w2), (), counts.tolist(), T)
             nbytes = touched * expert_bytes + 2 * T * H * 2
             flops = 2 * T * k * 3 * H * F
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
             row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, colibri_ms=t_col, eager_ms=t_eager, grouped_ms=t_grouped,
                        floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col, speedup_vs_eager=t_eager / t_col,
                        speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err,
-                       rows_per_expert=counts.tolist())
+                       rows_per_expert=counts.tolist(), matmul_ceiling_ms=t_mm,
+                       fraction_of_matmul_ceiling=t_mm / t_col, matmul_ceiling_status=mm_status)
             for c in compare.values():
                 c["fraction_of_floor"] = floor_ms / c["colibri_ms"]
             if compare:
                 row["compare"] = compare
             rows.append(row)
-            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {row['speedup_vs_eager']:7.2f} "
-                  f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}"
-                  + "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build x{c['colibri_ms'] / t_col:.2f}"
-                            f"{'' if c['same_bits'] else ', other bits'}" for lb, c in compare.items()), flush=True)
+            print_row(row, "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build "
+                                   f"x{c['colibri_ms'] / t_col:.2f}{'' if c['same_bits'] else ', other bits'}"
+                                   for lb, c in compare.items()))
             del graphs, outs
     finally:
         for label, l in [("", lib)] + others:
@@ -469,15 +520,18 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
                 t_grouped = float("nan")
             counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
+            shared = tuple(L[key] for key in ("s1", "s3", "s2") if key in L)
+            t_mm, mm_status = matmul_ceiling(timer, (L["w1"], L["w3"], L["w2"]), shared, counts.tolist(), T)
             nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
             flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
-            rows.append(dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, colibri_ms=t_col, eager_ms=t_eager,
-                             grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
-                             speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
-                             experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist()))
-            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {t_eager / t_col:7.2f} "
-                  f"{t_grouped / t_col:7.2f} {floor_ms:8.3f} {floor_ms / t_col:6.2f} {rel_err:8.1e}", flush=True)
+            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, colibri_ms=t_col, eager_ms=t_eager,
+                       grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
+                       speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
+                       experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist(),
+                       matmul_ceiling_ms=t_mm, fraction_of_matmul_ceiling=t_mm / t_col, matmul_ceiling_status=mm_status)
+            rows.append(row)
+            print_row(row)
     finally:
         lib.colibri_moe_context_destroy(ctx)
 
@@ -666,13 +720,9 @@ def scaled_mm_ceiling(timer, Q, counts, T):
     own fp8 gate, up and down against its rows (padded to 16; the shared expert against all T rows), with
     per-tensor scales and fast accumulation (the card's best fp8 GEMMs), in one CUDA graph; no routing,
     activation quantisation, SwiGLU or combine. nan with the reason where this torch or card cannot."""
-    try:
+    def build():
         one = torch.ones((), device="cuda")
-        (g, _), (u, _), (d, _) = Q["experts"]
-        work = [(-(-m // 16) * 16, g[e], u[e], d[e]) for e, m in enumerate(counts) if m]
-        if Q["shared"]:
-            (sg, _), (su, _), (sd, _) = Q["shared"]
-            work.append((-(-T // 16) * 16, sg, su, sd))
+        work = expert_gemms(counts, T, [q for q, _ in Q["experts"]], [q for q, _ in Q["shared"] or []], pad=16)
         acts = {(m, w.shape[1]): None for m, *ws in work for w in ws}  # one activation block per (rows, K)
         acts = {key: torch.randn(*key, device="cuda").to(FP8) for key in acts}
 
@@ -681,10 +731,8 @@ def scaled_mm_ceiling(timer, Q, counts, T):
                 for w in ws:
                     torch._scaled_mm(acts[m, w.shape[1]], w.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                      use_fast_accum=True)
-        graph = graph_of(gemms)
-        return timer(graph.replay), "ok"
-    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
-        return float("nan"), f"torch._scaled_mm ceiling failed: {str(err).splitlines()[0][:200]}"
+        return gemms
+    return time_ceiling(timer, "torch._scaled_mm", build)
 
 
 def rel_err(out, ref):
@@ -827,8 +875,11 @@ def main():
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
     if wanted:
-        print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
-              f"{'floor':>8s} {'frac':>6s} {'rel err':>8s}   (ms, medians of {args.reps})")
+        print("cuBLAS: torch.matmul per expert on the same GEMMs (the vendor library's ceiling); x: its time, "
+              "eager's or grouped's over Colibri's")
+        print(f"{'shape':{NAME_W}s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'cuBLAS':>8s} "
+              f"{'x eager':>7s} {'x group':>7s} {'x cuBLAS':>8s} {'floor':>8s} {'frac':>6s} {'rel err':>8s}   "
+              f"(ms, medians of {args.reps})")
     for shape in SHAPES:
         if shape[0] in wanted:
             bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows, tokens=tokens)

@@ -158,3 +158,21 @@ def test_scaled_grouped_baseline_computes_the_layer(seed, name, monkeypatch):
     # both operands of each GEMM rounded to fp8 (about 2^-4 / sqrt(3) rms each), twice in a row: 5-8% here;
     # a token scattered to the wrong row or expert would read near 1
     assert err < 0.15 and not math.isnan(err)
+
+
+def test_ceiling_work_is_the_layers_gemms(seed):
+    # the per-expert ceilings (torch.matmul for bf16 rows, torch._scaled_mm for fp8) take each expert that got
+    # rows with its own weights against its routed rows (fp8: rounded up to 16), and the shared expert against
+    # all T rows
+    spec, T = SPECS["DeepSeek-V3 features"], 7
+    L = bench.family_layer(spec, device="cpu")
+    counts = torch.bincount(bench.family_route(torch.randn(T, spec["H"]).bfloat16(), L, spec)[1].flatten(),
+                            minlength=spec["E"]).tolist()
+    experts, shared = (L["w1"], L["w3"], L["w2"]), (L["s1"], L["s3"], L["s2"])
+    hit = [e for e, m in enumerate(counts) if m]
+    work = bench.expert_gemms(counts, T, experts, shared)
+    assert [m for m, *_ in work] == [counts[e] for e in hit] + [T] and sum(counts) == T * spec["k"]
+    for (_, *mats), e in zip(work, hit):
+        assert all(torch.equal(a, b[e]) for a, b in zip(mats, experts))
+    assert all(a is b for a, b in zip(work[-1][1:], shared))
+    assert [m for m, *_ in bench.expert_gemms(counts, T, experts, (), pad=16)] == [16] * len(hit)
