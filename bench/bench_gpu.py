@@ -7,6 +7,9 @@ Every time is the median of many CUDA-event timings of one call, with L2 flushed
 The weights are drawn with seed 0, each row's tokens with seed T: a row routes the same in every run.
 Beside each bf16 row, the vendor library's ceiling on the same work: torch.matmul (cuBLAS) per expert on
 exactly the GEMMs the layer does (each expert's routed rows, gate and up, SwiGLU, down), one CUDA graph.
+The family rows (FAMILY_SHAPES: DeepSeek-V3, gpt-oss-120b, Qwen3-Next-80B-A3B and a top-1 layer with a
+shared expert at Llama 4 Maverick's shape) add each family's routing and shared expert, timed alike
+against the transformers loop over experts; --shapes picks any of them by name.
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
@@ -52,12 +55,23 @@ TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 # The model families' layers: each row's features beyond softmax top-k (colibri.h), timed like the rows
 # above. DeepSeek-V3: sigmoid scores with a selection bias, 8 groups of which 4 kept by their top-2 sums,
 # renormalised x 2.5, one shared expert. gpt-oss-120b: a router logit bias, top-k then softmax, expert
-# biases and the clamped SwiGLU.
+# biases and the clamped SwiGLU. Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are its values:
+# 512 experts, top-10, hidden 2048, moe_intermediate 512, shared expert 512, norm_topk_prob true): Qwen2-MoE's
+# block, softmax top-k renormalised beside a shared expert scaled by sigmoid(shared_expert_gate . x).
+# top1+shared@Maverick: Llama 4 Maverick's MoE layer shape (128 experts, top-1, hidden 5120, experts and
+# shared expert 8192 wide; Llama4TextConfig's defaults are Scout's 16 experts) computing Flint's block with
+# norm_topk_prob false: the expert of the highest logit, its output times sigmoid(logit), and an ungated
+# shared expert. Llama 4 multiplies the expert's input by that sigmoid, which Colibri refuses
+# (pack/refused.py); the GEMMs and the bytes read are the same.
 FAMILY_SHAPES = {
     "DeepSeek-V3": dict(E=256, k=8, H=7168, F=2048, routing=2, n_group=8, topk_group=4, renorm=1, scale=2.5,
                         shared_F=2048),
     "gpt-oss-120b": dict(E=128, k=4, H=2880, F=2880, routing=1, renorm=0, scale=1.0, logit_bias=True,
                          expert_bias=True, alpha=1.702, limit=7.0),
+    "Qwen3-Next-80B-A3B": dict(E=512, k=10, H=2048, F=512, routing=0, renorm=1, scale=1.0, shared_F=512,
+                               shared_gate=True),
+    "top1+shared@Maverick": dict(E=128, k=1, H=5120, F=8192, routing=2, sel_bias=False, renorm=0, scale=1.0,
+                                 shared_F=8192),
 }
 NAME_W = max(len(name) for name in [s[0] for s in SHAPES] + list(FAMILY_SHAPES))  # the tables' first column
 
@@ -362,8 +376,9 @@ def family_layer(spec, device="cuda"):
         return torch.randn(*shape, device=device, dtype=dt).mul_(fan_in ** -0.5)
     L = dict(w1=draw(E, F, H, fan_in=H), w3=draw(E, F, H, fan_in=H), w2=draw(E, H, F, fan_in=F),
              router=torch.randn(E, H, device=device) / H ** 0.5)
-    if spec["routing"] == 2:
-        L["sel_bias"] = 0.1 * torch.randn(E, device=device)
+    if spec["routing"] == 2:  # zeros where the family has no selection bias (the library takes one)
+        L["sel_bias"] = 0.1 * torch.randn(E, device=device) if spec.get("sel_bias", True) else \
+            torch.zeros(E, device=device)
     if spec.get("logit_bias"):
         L["logit_bias"] = 0.5 * torch.randn(E, device=device)
     if spec.get("expert_bias"):  # bf16 as the checkpoint ships them; colibri takes them as fp32
@@ -372,6 +387,8 @@ def family_layer(spec, device="cuda"):
     if spec.get("shared_F"):
         Fs = spec["shared_F"]
         L["s1"], L["s3"], L["s2"] = draw(Fs, H, fan_in=H), draw(Fs, H, fan_in=H), draw(H, Fs, fan_in=Fs)
+    if spec.get("shared_gate"):  # drawn last: the other rows' weights stay those of before
+        L["sgate"] = torch.randn(H, device=device) / H ** 0.5
     return L
 
 
@@ -389,10 +406,11 @@ def family_route(x, L, spec):
         return (w / w.sum(-1, keepdim=True) if spec["renorm"] else w) * spec["scale"], ids
     scores = logits.sigmoid()
     choice = scores + L["sel_bias"]
-    G = spec["n_group"]
-    group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
-    keep = torch.zeros_like(group).scatter_(1, torch.topk(group, spec["topk_group"], dim=-1)[1], 1).bool()
-    choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    G = spec.get("n_group", 0)
+    if G > 1:  # DeepSeek-V3's groups, ranked by their top-2 sums
+        group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group).scatter_(1, torch.topk(group, spec["topk_group"], dim=-1)[1], 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
     ids = torch.topk(choice, k, dim=-1)[1]
     w = scores.gather(1, ids)
     if spec["renorm"]:
@@ -407,8 +425,22 @@ def family_act(g, u, spec):
     return Fn.silu(g) * u
 
 
+def shared_weight(x, L):
+    """sigmoid(shared_gate . x) per token [T] in x's dtype (Qwen2-MoE's gate), computed in the wider of x's and
+    the gate's dtypes (fp32 for bf16 tokens, float64 in the reference)."""
+    dtype = torch.promote_types(x.dtype, L["sgate"].dtype)
+    return torch.sigmoid(x.to(dtype) @ L["sgate"].to(dtype)).to(x.dtype)
+
+
+def gate_shared(shared, L):
+    """shared(xs) scaled by the layer's shared gate per token, where it has one; else shared itself."""
+    if shared is None or "sgate" not in L:
+        return shared
+    return lambda xs: shared(xs) * shared_weight(xs, L)[:, None]
+
+
 def family_shared(x, L):
-    return (Fn.silu(x @ L["s1"].T) * (x @ L["s3"].T)) @ L["s2"].T if "s1" in L else 0
+    return gate_shared(lambda xs: swiglu(xs, L["s1"], L["s3"], L["s2"]), L)(x) if "s1" in L else 0
 
 
 def family_eager(x, L, spec):
@@ -464,7 +496,8 @@ def layer_context(lib, spec, L, Q=None, device=1):
     for e in range(E):
         packed[e] = torch.cat([raw(m[e]).flatten() for m in mats]).cpu()
     offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
-    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias") if key in L}
+    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias", "sgate")
+            if key in L}
     host["experts"] = packed
     if "b1" in L:
         host["bias"] = torch.cat([L["b1"], L["b3"], L["b2"]], dim=1).float().cpu().contiguous()
@@ -480,10 +513,11 @@ def layer_context(lib, spec, L, Q=None, device=1):
                  routed_scaling_factor=spec["scale"], device=device, n_group=spec.get("n_group", 0),
                  topk_group=spec.get("topk_group", 0), group_score=1, activation=1 if "alpha" in spec else 0,
                  activation_alpha=spec.get("alpha", 0.0), activation_limit=spec.get("limit", 0.0),
-                 expert_bias=int("bias" in host), shared_intermediate_size=Fs, scale_block_n=bn, scale_block_k=bk)
+                 expert_bias=int("bias" in host), shared_intermediate_size=Fs, shared_gate=int("sgate" in host),
+                 scale_block_n=bn, scale_block_k=bk)
     ptr = lambda key: host[key].data_ptr() if key in host else None  # noqa: E731
     weights = Weights(packed.data_ptr(), offsets, packed.numel(), ptr("bias"), ptr("router"), ptr("logit_bias"),
-                      ptr("sel_bias"), ptr("shared"), None, ptr("scales"), ptr("shared_scales"))
+                      ptr("sel_bias"), ptr("shared"), ptr("sgate"), ptr("scales"), ptr("shared_scales"))
     ctx = ctypes.c_void_p()
     if lib.colibri_moe_context_create(ctypes.byref(ctx), ctypes.byref(cfg), ctypes.byref(weights)) != 0:
         return None, lib.colibri_last_error().decode(), host
@@ -498,12 +532,13 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
         print(f"{name}: skipped (this library has no colibri_moe_context_create)")
         return
     L = family_layer(spec)
+    torch.cuda.empty_cache()  # torch's cached blocks would leave the library's copy (32 GB at Maverick's) no room
     ctx, why = layer_context(lib, spec, L)[:2]  # the host copy goes here: the CUDA context has its own
     if ctx is None:
         print(f"{name}: skipped ({why})")
         return
     w1t, w3t, w2t = L["w1"].transpose(1, 2), L["w3"].transpose(1, 2), L["w2"].transpose(1, 2)
-    expert_bytes = 3 * H * F * 2
+    expert_bytes, gated = 3 * H * F * 2, int("sgate" in L)
     try:
         for T in tokens:
             x = row_tokens(T, H)
@@ -522,11 +557,12 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
             touched = int((counts > 0).sum())
             shared = tuple(L[key] for key in ("s1", "s3", "s2") if key in L)
             t_mm, mm_status = matmul_ceiling(timer, (L["w1"], L["w3"], L["w2"]), shared, counts.tolist(), T)
-            nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
-            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
+            # the floor as the fine-grained rows take it, plus the shared expert (and its gate: H fp32, a dot a token)
+            nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 4 * H * gated + 2 * T * H * 2
+            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs + H * gated)
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
-            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, colibri_ms=t_col, eager_ms=t_eager,
-                       grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
+            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, shared_gate=bool(gated), colibri_ms=t_col,
+                       eager_ms=t_eager, grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
                        speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
                        experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist(),
                        matmul_ceiling_ms=t_mm, fraction_of_matmul_ceiling=t_mm / t_col, matmul_ceiling_status=mm_status)
@@ -655,25 +691,29 @@ def fp8_reference(x, L, spec, Q):
     """The fp8 layer in float64 on the dequantised weights (exact products of the stored values and scales),
     routed by family_route: the reference of record."""
     w, ids = family_route(x, L, spec)
-    return expert_loop(x.double(), w.double(), ids, spec["E"], *fp8_experts(Q, torch.float64, torch.float64))
+    expert, shared = fp8_experts(Q, torch.float64, torch.float64)
+    return expert_loop(x.double(), w.double(), ids, spec["E"], expert, gate_shared(shared, L))
 
 
 def fp8_eager(x, L, spec, Q):
     """The transformers-style loop over experts, each hit expert's fp8 weights dequantised to bf16 on every call."""
     w, ids = family_route(x, L, spec)
-    return expert_loop(x, w, ids, spec["E"], *fp8_experts(Q, torch.float32, x.dtype))
+    expert, shared = fp8_experts(Q, torch.float32, x.dtype)
+    return expert_loop(x, w, ids, spec["E"], expert, gate_shared(shared, L))
 
 
 def fp8_scaled_grouped(x, L, spec, C):
-    """Tokens sorted by expert (the shared expert as expert E, every token at weight 1), activations quantised
-    per row, three torch._scaled_grouped_mm calls on channel_layer's weights, weighted scatter-add back."""
+    """Tokens sorted by expert (the shared expert as expert E, every token at weight 1 or its shared gate's
+    sigmoid), activations quantised per row, three torch._scaled_grouped_mm calls on channel_layer's weights,
+    weighted scatter-add back."""
     (g1, s1), (g3, s3), (g2, s2) = C
     T, k = x.shape[0], spec["k"]
     w, ids = family_route(x, L, spec)
     flat, wflat, tok = ids.flatten(), w.flatten(), torch.arange(T * k, device=x.device) // k
     if g1.shape[0] > spec["E"]:
         flat = torch.cat([flat, torch.full((T,), spec["E"], device=x.device, dtype=flat.dtype)])
-        wflat = torch.cat([wflat, torch.ones(T, device=x.device, dtype=wflat.dtype)])
+        gate = shared_weight(x, L) if "sgate" in L else torch.ones(T, device=x.device)
+        wflat = torch.cat([wflat, gate.to(wflat.dtype)])
         tok = torch.cat([tok, torch.arange(T, device=x.device)])
     order = torch.argsort(flat, stable=True)
     offs = torch.cumsum(torch.bincount(flat, minlength=g1.shape[0]), 0).to(torch.int32)
@@ -843,8 +883,9 @@ def main():
     ap.add_argument("--lib", default="build/libcolibri.so")
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default=",".join([s[0] for s in SHAPES] + list(FAMILY_SHAPES)),
-                    help="bf16 rows ('' for none)")
+    bf16_names = [s[0] for s in SHAPES] + list(FAMILY_SHAPES)
+    ap.add_argument("--shapes", default=",".join(bf16_names),
+                    help=f"bf16 rows, of {', '.join(bf16_names)} ('' for none): the family rows run after the others")
     ap.add_argument("--fp8-shapes", default=",".join(FP8_SHAPES),
                     help="fp8 rows, each beside Colibri's bf16 forward of the same layer ('' for none), in this order")
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs (bf16 rows)")
@@ -855,7 +896,7 @@ def main():
     ap.add_argument("--plot-fp8", default="", help="also draw the fp8 rows into this PNG (needs matplotlib)")
     args = ap.parse_args()
     wanted, fp8_wanted = [s for s in args.shapes.split(",") if s], [s for s in args.fp8_shapes.split(",") if s]
-    known = [s[0] for s in SHAPES] + list(FAMILY_SHAPES)
+    known = bf16_names
     for name in [n for n in wanted if n not in known] + [n for n in fp8_wanted if n not in FP8_SHAPES]:
         ap.error(f"unknown shape {name!r} (bf16: {', '.join(known)}; fp8: {', '.join(FP8_SHAPES)})")
     tokens = [int(t) for t in args.tokens.split(",") if t]

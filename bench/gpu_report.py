@@ -64,6 +64,12 @@ def summary(run: dict) -> tuple[list[str], int, int]:
     return lines, met, len(run["rows"])
 
 
+def layer_title(r: dict) -> str:
+    """A row's layer in a few words: experts x (H, F), k, and its shared expert (gated or not)."""
+    shared = f", shared {r['shared_F']}{' gated' if r.get('shared_gate') else ''}" if r.get("shared_F") else ""
+    return f"{r['E']} x ({r['H']}, {r['F']}), k={r['k']}{shared}"
+
+
 def tick_labels(ts: list[int], most: int = 10) -> list[str]:
     """Labels of the T axis: every T where there are at most `most`, else every n-th (n = ceil(len / most))
     and the last, so that a sweep of many T stays readable."""
@@ -93,7 +99,7 @@ def plot(run: dict, path: str) -> None:
         for name in dict.fromkeys(n for r in rows for n in r.get("compare", {})):
             pts = [(r["T"], r["compare"][name]["fraction_of_floor"]) for r in rows if name in r.get("compare", {})]
             frac.plot(*zip(*pts), ".:", alpha=0.7, label=name)
-        frac.set_title(f"{shape} ({rows[0]['E']} x ({rows[0]['H']}, {rows[0]['F']}), k={rows[0]['k']})", fontsize=9)
+        frac.set_title(f"{shape} ({layer_title(rows[0])})", fontsize=9)
         frac.set_ylim(0, max(1.1, max(r["fraction_of_floor"] for r in rows) * 1.05))
         frac.grid(alpha=0.3)
         speed.plot(ts, [r["speedup_vs_eager"] for r in rows], "s-", color="tab:red", label="over PyTorch eager")
@@ -221,8 +227,7 @@ def plot_fp8(run: dict, path: str) -> None:
                        fontsize=6, color="tab:blue", wrap=True)
         times.set_xscale("log", base=2)
         times.set_yscale("log")
-        times.set_title(f"{shape} ({rows[0]['E']} x ({rows[0]['H']}, {rows[0]['F']}), k={rows[0]['k']}"
-                        + (f", shared {rows[0]['shared_F']}" if rows[0].get("shared_F") else "") + ")", fontsize=9)
+        times.set_title(f"{shape} ({layer_title(rows[0])})", fontsize=9)
         times.grid(alpha=0.3, which="both")
         for key, goal_of, color, label in (
                 ("fp8_vs_bf16", lambda r: fp8_ratio_target(r["T"]), "tab:blue", "fp8 / bf16 time (target: at most)"),
