@@ -5,6 +5,11 @@ give the floor = max((bytes of the experts touched + activations) / copy BW, FLO
 Every time is the median of many CUDA-event timings of one call, with L2 flushed before each call
 (the weights a call touches are then read from HBM, as in a server that runs other layers between).
 The weights are drawn with seed 0, each row's tokens with seed T: a row routes the same in every run.
+Beside each bf16 row, the vendor library's ceiling on the same work: torch.matmul (cuBLAS) per expert on
+exactly the GEMMs the layer does (each expert's routed rows, gate and up, SwiGLU, down), one CUDA graph.
+The family rows (FAMILY_SHAPES: DeepSeek-V3, gpt-oss-120b, Qwen3-Next-80B-A3B and a top-1 layer with a
+shared expert at Llama 4 Maverick's shape) add each family's routing and shared expert, timed alike
+against the transformers loop over experts; --shapes picks any of them by name.
 
     python3 bench/bench_gpu.py [--lib build/libcolibri.so] [--json bench/gpu.json] [--reps 30] [--flush zero|read]
                                [--compare old=build-old/libcolibri.so,...] [--tokens 1,4,16] [--plot gpu.png]
@@ -50,13 +55,25 @@ TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 # The model families' layers: each row's features beyond softmax top-k (colibri.h), timed like the rows
 # above. DeepSeek-V3: sigmoid scores with a selection bias, 8 groups of which 4 kept by their top-2 sums,
 # renormalised x 2.5, one shared expert. gpt-oss-120b: a router logit bias, top-k then softmax, expert
-# biases and the clamped SwiGLU.
+# biases and the clamped SwiGLU. Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults are its values:
+# 512 experts, top-10, hidden 2048, moe_intermediate 512, shared expert 512, norm_topk_prob true): Qwen2-MoE's
+# block, softmax top-k renormalised beside a shared expert scaled by sigmoid(shared_expert_gate . x).
+# top1+shared@Maverick: Llama 4 Maverick's MoE layer shape (128 experts, top-1, hidden 5120, experts and
+# shared expert 8192 wide; Llama4TextConfig's defaults are Scout's 16 experts) computing Flint's block with
+# norm_topk_prob false: the expert of the highest logit, its output times sigmoid(logit), and an ungated
+# shared expert. Llama 4 multiplies the expert's input by that sigmoid, which Colibri refuses
+# (pack/refused.py); the GEMMs and the bytes read are the same.
 FAMILY_SHAPES = {
     "DeepSeek-V3": dict(E=256, k=8, H=7168, F=2048, routing=2, n_group=8, topk_group=4, renorm=1, scale=2.5,
                         shared_F=2048),
     "gpt-oss-120b": dict(E=128, k=4, H=2880, F=2880, routing=1, renorm=0, scale=1.0, logit_bias=True,
                          expert_bias=True, alpha=1.702, limit=7.0),
+    "Qwen3-Next-80B-A3B": dict(E=512, k=10, H=2048, F=512, routing=0, renorm=1, scale=1.0, shared_F=512,
+                               shared_gate=True),
+    "top1+shared@Maverick": dict(E=128, k=1, H=5120, F=8192, routing=2, sel_bias=False, renorm=0, scale=1.0,
+                                 shared_F=8192),
 }
+NAME_W = max(len(name) for name in [s[0] for s in SHAPES] + list(FAMILY_SHAPES))  # the tables' first column
 
 
 class Config(ctypes.Structure):
@@ -177,6 +194,53 @@ def ceilings(timer):
     return copy_bw, 2 * n ** 3 / (mm_ms * 1e-3)
 
 
+def expert_gemms(counts, T, experts, shared=(), pad=1):
+    """The work of a per-expert ceiling: (rows, gate, up, down) of every expert that got rows (counts[e] of
+    them; experts: the gate, up and down stacks [E, N, K]), then of the shared expert (its three matrices,
+    none for no shared expert) against all T rows, rows rounded up to a multiple of pad."""
+    def up_to(m):
+        return -(-m // pad) * pad
+    gate, up, down = experts
+    work = [(up_to(m), gate[e], up[e], down[e]) for e, m in enumerate(counts) if m]
+    return work + [(up_to(T), *shared)] if shared else work
+
+
+def time_ceiling(timer, what, build):
+    """The median replay of one CUDA graph of build()'s function (build makes its inputs), timed as the rows
+    are; nan and the reason where this torch or card cannot run it."""
+    try:
+        graph = graph_of(build())
+        return timer(graph.replay), "ok"
+    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
+        return float("nan"), f"{what} ceiling failed: {str(err).splitlines()[0][:200]}"
+
+
+def matmul_ceiling(timer, experts, shared, counts, T):
+    """What the vendor library does on a bf16 row's GEMMs: torch.matmul (cuBLAS) per expert with its own
+    weights, gate and up against its routed rows, silu(gate) * up, down against that (the shared expert
+    against all T rows), in one CUDA graph; no routing, biases, shared gate or combine. experts: the bf16
+    gate, up and down stacks [E, F, H], [E, F, H], [E, H, F]; shared: the shared expert's three or ()."""
+    def build():
+        work = expert_gemms(counts, T, experts, shared)
+        H = experts[0].shape[2]
+        acts = {m: torch.randn(m, H, device="cuda", dtype=torch.bfloat16) for m in {m for m, *_ in work}}
+
+        def gemms():
+            for m, gate, up, down in work:
+                swiglu(acts[m], gate, up, down)
+        return gemms
+    return time_ceiling(timer, "torch.matmul", build)
+
+
+def print_row(row, extra=""):
+    """One bf16 row as the live table prints it (main prints the header)."""
+    print(f"{row['shape']:{NAME_W}s} {row['T']:5d} {row['colibri_ms']:8.3f} {row['eager_ms']:8.3f} "
+          f"{row['grouped_ms']:8.3f} {row['matmul_ceiling_ms']:8.3f} {row['speedup_vs_eager']:7.2f} "
+          f"{row['speedup_vs_grouped']:7.2f} {row['fraction_of_matmul_ceiling']:8.2f} {row['floor_ms']:8.3f} "
+          f"{row['fraction_of_floor']:6.2f} {row['rel_err_vs_eager']:8.1e}"
+          + ("" if row["matmul_ceiling_status"] == "ok" else f"   {row['matmul_ceiling_status']}") + extra, flush=True)
+
+
 def route(x, router, k, renormalize):
     probs = torch.softmax(x.float() @ router.T, dim=-1)
     w, ids = torch.topk(probs, k, dim=-1)
@@ -278,22 +342,23 @@ def bench_shape(lib, others, timer, name, E, k, H, F, renorm, copy_bw, mm_rate, 
             # rows per expert of this draw (by the reference router): what the tile counts depend on
             counts = torch.bincount(route(x, router, k, renorm)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
+            t_mm, mm_status = matmul_ceiling(timer, (w1, w3, w2), (), counts.tolist(), T)
             nbytes = touched * expert_bytes + 2 * T * H * 2
             flops = 2 * T * k * 3 * H * F
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
             row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, colibri_ms=t_col, eager_ms=t_eager, grouped_ms=t_grouped,
                        floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col, speedup_vs_eager=t_eager / t_col,
                        speedup_vs_grouped=t_grouped / t_col, experts_touched=touched, rel_err_vs_eager=rel_err,
-                       rows_per_expert=counts.tolist())
+                       rows_per_expert=counts.tolist(), matmul_ceiling_ms=t_mm,
+                       fraction_of_matmul_ceiling=t_mm / t_col, matmul_ceiling_status=mm_status)
             for c in compare.values():
                 c["fraction_of_floor"] = floor_ms / c["colibri_ms"]
             if compare:
                 row["compare"] = compare
             rows.append(row)
-            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {row['speedup_vs_eager']:7.2f} "
-                  f"{row['speedup_vs_grouped']:7.2f} {floor_ms:8.3f} {row['fraction_of_floor']:6.2f} {rel_err:8.1e}"
-                  + "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build x{c['colibri_ms'] / t_col:.2f}"
-                            f"{'' if c['same_bits'] else ', other bits'}" for lb, c in compare.items()), flush=True)
+            print_row(row, "".join(f"   {lb} {c['colibri_ms']:.3f} ms, frac {c['fraction_of_floor']:.2f}, this build "
+                                   f"x{c['colibri_ms'] / t_col:.2f}{'' if c['same_bits'] else ', other bits'}"
+                                   for lb, c in compare.items()))
             del graphs, outs
     finally:
         for label, l in [("", lib)] + others:
@@ -311,8 +376,9 @@ def family_layer(spec, device="cuda"):
         return torch.randn(*shape, device=device, dtype=dt).mul_(fan_in ** -0.5)
     L = dict(w1=draw(E, F, H, fan_in=H), w3=draw(E, F, H, fan_in=H), w2=draw(E, H, F, fan_in=F),
              router=torch.randn(E, H, device=device) / H ** 0.5)
-    if spec["routing"] == 2:
-        L["sel_bias"] = 0.1 * torch.randn(E, device=device)
+    if spec["routing"] == 2:  # zeros where the family has no selection bias (the library takes one)
+        L["sel_bias"] = 0.1 * torch.randn(E, device=device) if spec.get("sel_bias", True) else \
+            torch.zeros(E, device=device)
     if spec.get("logit_bias"):
         L["logit_bias"] = 0.5 * torch.randn(E, device=device)
     if spec.get("expert_bias"):  # bf16 as the checkpoint ships them; colibri takes them as fp32
@@ -321,6 +387,8 @@ def family_layer(spec, device="cuda"):
     if spec.get("shared_F"):
         Fs = spec["shared_F"]
         L["s1"], L["s3"], L["s2"] = draw(Fs, H, fan_in=H), draw(Fs, H, fan_in=H), draw(H, Fs, fan_in=Fs)
+    if spec.get("shared_gate"):  # drawn last: the other rows' weights stay those of before
+        L["sgate"] = torch.randn(H, device=device) / H ** 0.5
     return L
 
 
@@ -338,10 +406,11 @@ def family_route(x, L, spec):
         return (w / w.sum(-1, keepdim=True) if spec["renorm"] else w) * spec["scale"], ids
     scores = logits.sigmoid()
     choice = scores + L["sel_bias"]
-    G = spec["n_group"]
-    group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
-    keep = torch.zeros_like(group).scatter_(1, torch.topk(group, spec["topk_group"], dim=-1)[1], 1).bool()
-    choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    G = spec.get("n_group", 0)
+    if G > 1:  # DeepSeek-V3's groups, ranked by their top-2 sums
+        group = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group).scatter_(1, torch.topk(group, spec["topk_group"], dim=-1)[1], 1).bool()
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
     ids = torch.topk(choice, k, dim=-1)[1]
     w = scores.gather(1, ids)
     if spec["renorm"]:
@@ -356,8 +425,22 @@ def family_act(g, u, spec):
     return Fn.silu(g) * u
 
 
+def shared_weight(x, L):
+    """sigmoid(shared_gate . x) per token [T] in x's dtype (Qwen2-MoE's gate), computed in the wider of x's and
+    the gate's dtypes (fp32 for bf16 tokens, float64 in the reference)."""
+    dtype = torch.promote_types(x.dtype, L["sgate"].dtype)
+    return torch.sigmoid(x.to(dtype) @ L["sgate"].to(dtype)).to(x.dtype)
+
+
+def gate_shared(shared, L):
+    """shared(xs) scaled by the layer's shared gate per token, where it has one; else shared itself."""
+    if shared is None or "sgate" not in L:
+        return shared
+    return lambda xs: shared(xs) * shared_weight(xs, L)[:, None]
+
+
 def family_shared(x, L):
-    return (Fn.silu(x @ L["s1"].T) * (x @ L["s3"].T)) @ L["s2"].T if "s1" in L else 0
+    return gate_shared(lambda xs: swiglu(xs, L["s1"], L["s3"], L["s2"]), L)(x) if "s1" in L else 0
 
 
 def family_eager(x, L, spec):
@@ -413,7 +496,8 @@ def layer_context(lib, spec, L, Q=None, device=1):
     for e in range(E):
         packed[e] = torch.cat([raw(m[e]).flatten() for m in mats]).cpu()
     offsets = (ctypes.c_uint64 * E)(*[e * 3 * H * F for e in range(E)])
-    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias") if key in L}
+    host = {key: L[key].float().cpu().contiguous() for key in ("router", "sel_bias", "logit_bias", "sgate")
+            if key in L}
     host["experts"] = packed
     if "b1" in L:
         host["bias"] = torch.cat([L["b1"], L["b3"], L["b2"]], dim=1).float().cpu().contiguous()
@@ -429,10 +513,11 @@ def layer_context(lib, spec, L, Q=None, device=1):
                  routed_scaling_factor=spec["scale"], device=device, n_group=spec.get("n_group", 0),
                  topk_group=spec.get("topk_group", 0), group_score=1, activation=1 if "alpha" in spec else 0,
                  activation_alpha=spec.get("alpha", 0.0), activation_limit=spec.get("limit", 0.0),
-                 expert_bias=int("bias" in host), shared_intermediate_size=Fs, scale_block_n=bn, scale_block_k=bk)
+                 expert_bias=int("bias" in host), shared_intermediate_size=Fs, shared_gate=int("sgate" in host),
+                 scale_block_n=bn, scale_block_k=bk)
     ptr = lambda key: host[key].data_ptr() if key in host else None  # noqa: E731
     weights = Weights(packed.data_ptr(), offsets, packed.numel(), ptr("bias"), ptr("router"), ptr("logit_bias"),
-                      ptr("sel_bias"), ptr("shared"), None, ptr("scales"), ptr("shared_scales"))
+                      ptr("sel_bias"), ptr("shared"), ptr("sgate"), ptr("scales"), ptr("shared_scales"))
     ctx = ctypes.c_void_p()
     if lib.colibri_moe_context_create(ctypes.byref(ctx), ctypes.byref(cfg), ctypes.byref(weights)) != 0:
         return None, lib.colibri_last_error().decode(), host
@@ -447,12 +532,13 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
         print(f"{name}: skipped (this library has no colibri_moe_context_create)")
         return
     L = family_layer(spec)
+    torch.cuda.empty_cache()  # torch's cached blocks would leave the library's copy (32 GB at Maverick's) no room
     ctx, why = layer_context(lib, spec, L)[:2]  # the host copy goes here: the CUDA context has its own
     if ctx is None:
         print(f"{name}: skipped ({why})")
         return
     w1t, w3t, w2t = L["w1"].transpose(1, 2), L["w3"].transpose(1, 2), L["w2"].transpose(1, 2)
-    expert_bytes = 3 * H * F * 2
+    expert_bytes, gated = 3 * H * F * 2, int("sgate" in L)
     try:
         for T in tokens:
             x = row_tokens(T, H)
@@ -469,15 +555,19 @@ def bench_family(lib, timer, name, copy_bw, mm_rate, rows, tokens=TOKENS):
                 t_grouped = float("nan")
             counts = torch.bincount(family_route(x, L, spec)[1].flatten(), minlength=E)
             touched = int((counts > 0).sum())
-            nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 2 * T * H * 2
-            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs)
+            shared = tuple(L[key] for key in ("s1", "s3", "s2") if key in L)
+            t_mm, mm_status = matmul_ceiling(timer, (L["w1"], L["w3"], L["w2"]), shared, counts.tolist(), T)
+            # the floor as the fine-grained rows take it, plus the shared expert (and its gate: H fp32, a dot a token)
+            nbytes = touched * expert_bytes + 3 * H * Fs * 2 + 4 * H * gated + 2 * T * H * 2
+            flops = 2 * T * (k * 3 * H * F + 3 * H * Fs + H * gated)
             floor_ms = max(nbytes / copy_bw, flops / mm_rate) * 1e3
-            rows.append(dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, colibri_ms=t_col, eager_ms=t_eager,
-                             grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
-                             speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
-                             experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist()))
-            print(f"{name:17s} {T:5d} {t_col:8.3f} {t_eager:8.3f} {t_grouped:8.3f} {t_eager / t_col:7.2f} "
-                  f"{t_grouped / t_col:7.2f} {floor_ms:8.3f} {floor_ms / t_col:6.2f} {rel_err:8.1e}", flush=True)
+            row = dict(shape=name, E=E, k=k, H=H, F=F, T=T, shared_F=Fs, shared_gate=bool(gated), colibri_ms=t_col,
+                       eager_ms=t_eager, grouped_ms=t_grouped, floor_ms=floor_ms, fraction_of_floor=floor_ms / t_col,
+                       speedup_vs_eager=t_eager / t_col, speedup_vs_grouped=t_grouped / t_col,
+                       experts_touched=touched, rel_err_vs_eager=rel_err, rows_per_expert=counts.tolist(),
+                       matmul_ceiling_ms=t_mm, fraction_of_matmul_ceiling=t_mm / t_col, matmul_ceiling_status=mm_status)
+            rows.append(row)
+            print_row(row)
     finally:
         lib.colibri_moe_context_destroy(ctx)
 
@@ -601,25 +691,29 @@ def fp8_reference(x, L, spec, Q):
     """The fp8 layer in float64 on the dequantised weights (exact products of the stored values and scales),
     routed by family_route: the reference of record."""
     w, ids = family_route(x, L, spec)
-    return expert_loop(x.double(), w.double(), ids, spec["E"], *fp8_experts(Q, torch.float64, torch.float64))
+    expert, shared = fp8_experts(Q, torch.float64, torch.float64)
+    return expert_loop(x.double(), w.double(), ids, spec["E"], expert, gate_shared(shared, L))
 
 
 def fp8_eager(x, L, spec, Q):
     """The transformers-style loop over experts, each hit expert's fp8 weights dequantised to bf16 on every call."""
     w, ids = family_route(x, L, spec)
-    return expert_loop(x, w, ids, spec["E"], *fp8_experts(Q, torch.float32, x.dtype))
+    expert, shared = fp8_experts(Q, torch.float32, x.dtype)
+    return expert_loop(x, w, ids, spec["E"], expert, gate_shared(shared, L))
 
 
 def fp8_scaled_grouped(x, L, spec, C):
-    """Tokens sorted by expert (the shared expert as expert E, every token at weight 1), activations quantised
-    per row, three torch._scaled_grouped_mm calls on channel_layer's weights, weighted scatter-add back."""
+    """Tokens sorted by expert (the shared expert as expert E, every token at weight 1 or its shared gate's
+    sigmoid), activations quantised per row, three torch._scaled_grouped_mm calls on channel_layer's weights,
+    weighted scatter-add back."""
     (g1, s1), (g3, s3), (g2, s2) = C
     T, k = x.shape[0], spec["k"]
     w, ids = family_route(x, L, spec)
     flat, wflat, tok = ids.flatten(), w.flatten(), torch.arange(T * k, device=x.device) // k
     if g1.shape[0] > spec["E"]:
         flat = torch.cat([flat, torch.full((T,), spec["E"], device=x.device, dtype=flat.dtype)])
-        wflat = torch.cat([wflat, torch.ones(T, device=x.device, dtype=wflat.dtype)])
+        gate = shared_weight(x, L) if "sgate" in L else torch.ones(T, device=x.device)
+        wflat = torch.cat([wflat, gate.to(wflat.dtype)])
         tok = torch.cat([tok, torch.arange(T, device=x.device)])
     order = torch.argsort(flat, stable=True)
     offs = torch.cumsum(torch.bincount(flat, minlength=g1.shape[0]), 0).to(torch.int32)
@@ -666,13 +760,9 @@ def scaled_mm_ceiling(timer, Q, counts, T):
     own fp8 gate, up and down against its rows (padded to 16; the shared expert against all T rows), with
     per-tensor scales and fast accumulation (the card's best fp8 GEMMs), in one CUDA graph; no routing,
     activation quantisation, SwiGLU or combine. nan with the reason where this torch or card cannot."""
-    try:
+    def build():
         one = torch.ones((), device="cuda")
-        (g, _), (u, _), (d, _) = Q["experts"]
-        work = [(-(-m // 16) * 16, g[e], u[e], d[e]) for e, m in enumerate(counts) if m]
-        if Q["shared"]:
-            (sg, _), (su, _), (sd, _) = Q["shared"]
-            work.append((-(-T // 16) * 16, sg, su, sd))
+        work = expert_gemms(counts, T, [q for q, _ in Q["experts"]], [q for q, _ in Q["shared"] or []], pad=16)
         acts = {(m, w.shape[1]): None for m, *ws in work for w in ws}  # one activation block per (rows, K)
         acts = {key: torch.randn(*key, device="cuda").to(FP8) for key in acts}
 
@@ -681,10 +771,8 @@ def scaled_mm_ceiling(timer, Q, counts, T):
                 for w in ws:
                     torch._scaled_mm(acts[m, w.shape[1]], w.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                      use_fast_accum=True)
-        graph = graph_of(gemms)
-        return timer(graph.replay), "ok"
-    except (AttributeError, RuntimeError, ValueError, NotImplementedError) as err:
-        return float("nan"), f"torch._scaled_mm ceiling failed: {str(err).splitlines()[0][:200]}"
+        return gemms
+    return time_ceiling(timer, "torch._scaled_mm", build)
 
 
 def rel_err(out, ref):
@@ -795,8 +883,9 @@ def main():
     ap.add_argument("--lib", default="build/libcolibri.so")
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--shapes", default=",".join([s[0] for s in SHAPES] + list(FAMILY_SHAPES)),
-                    help="bf16 rows ('' for none)")
+    bf16_names = [s[0] for s in SHAPES] + list(FAMILY_SHAPES)
+    ap.add_argument("--shapes", default=",".join(bf16_names),
+                    help=f"bf16 rows, of {', '.join(bf16_names)} ('' for none): the family rows run after the others")
     ap.add_argument("--fp8-shapes", default=",".join(FP8_SHAPES),
                     help="fp8 rows, each beside Colibri's bf16 forward of the same layer ('' for none), in this order")
     ap.add_argument("--compare", default="", help="NAME=PATH,...: other builds timed on the same inputs (bf16 rows)")
@@ -807,7 +896,7 @@ def main():
     ap.add_argument("--plot-fp8", default="", help="also draw the fp8 rows into this PNG (needs matplotlib)")
     args = ap.parse_args()
     wanted, fp8_wanted = [s for s in args.shapes.split(",") if s], [s for s in args.fp8_shapes.split(",") if s]
-    known = [s[0] for s in SHAPES] + list(FAMILY_SHAPES)
+    known = bf16_names
     for name in [n for n in wanted if n not in known] + [n for n in fp8_wanted if n not in FP8_SHAPES]:
         ap.error(f"unknown shape {name!r} (bf16: {', '.join(known)}; fp8: {', '.join(FP8_SHAPES)})")
     tokens = [int(t) for t in args.tokens.split(",") if t]
@@ -827,8 +916,11 @@ def main():
         with open(args.json, "w") as f:
             json.dump(run, f, indent=1)
     if wanted:
-        print(f"{'shape':17s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'x eager':>7s} {'x group':>7s} "
-              f"{'floor':>8s} {'frac':>6s} {'rel err':>8s}   (ms, medians of {args.reps})")
+        print("cuBLAS: torch.matmul per expert on the same GEMMs (the vendor library's ceiling); x: its time, "
+              "eager's or grouped's over Colibri's")
+        print(f"{'shape':{NAME_W}s} {'T':>5s} {'colibri':>8s} {'eager':>8s} {'grouped':>8s} {'cuBLAS':>8s} "
+              f"{'x eager':>7s} {'x group':>7s} {'x cuBLAS':>8s} {'floor':>8s} {'frac':>6s} {'rel err':>8s}   "
+              f"(ms, medians of {args.reps})")
     for shape in SHAPES:
         if shape[0] in wanted:
             bench_shape(lib, others, timer, *shape, copy_bw, mm_rate, rows, tokens=tokens)

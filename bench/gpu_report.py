@@ -6,7 +6,8 @@ Prints each row's fraction of the floor beside the target DESIGN.md sets for it 
 Colibri") and how many rows meet theirs. A fraction meets its target when its value rounded to two
 decimals, as the tables print it, is at least the target. --plot draws, per shape, the fraction of the
 floor against T with the targets (and every --compare build of the run), and below it the speed-up
-over PyTorch eager and torch._grouped_mm. bench_gpu.py prints the same summary at the end of a run.
+over PyTorch eager, torch._grouped_mm and cuBLAS per expert (torch.matmul on the same GEMMs, the
+vendor library's ceiling). bench_gpu.py prints the same summary at the end of a run.
 
 A run with fp8 rows (bench_gpu.py --fp8-shapes) also gets its fp8 table against DESIGN.md's "Targets for
 fp8 experts" (fp8/bf16 time, fraction of the fp8 floor, faster than torch._scaled_grouped_mm), and
@@ -38,18 +39,35 @@ def meets(fraction: float, goal: float) -> bool:
 
 
 def summary(run: dict) -> tuple[list[str], int, int]:
-    """Lines of a per-row table (shape, T, ms, fraction, target, met) and the met / total counts."""
-    lines = [f"{'shape':17s} {'T':>5s} {'colibri ms':>10s} {'frac':>5s} {'target':>6s}  met"]
+    """Lines of a per-row table (shape, T, ms, the cuBLAS per-expert ceiling's ms and its time over Colibri's,
+    fraction, target, met) and the met / total counts. Runs from before the ceiling show nan there."""
+    width = max([17] + [len(r["shape"]) for r in run["rows"]])
+    lines = [f"{'shape':{width}s} {'T':>5s} {'colibri ms':>10s} {'cuBLAS ms':>9s} {'x cuBLAS':>8s} {'frac':>5s} "
+             f"{'target':>6s}  met"]
     met = 0
+    reasons = {}
     for r in run["rows"]:
         goal, frac = target(r["E"], r["T"]), r["fraction_of_floor"]
         ok = meets(frac, goal)
         met += ok
         verdict = "yes" if ok else "no" if math.isnan(frac) else f"no (short by {goal - round(frac, 2):.2f})"
-        lines.append(f"{r['shape']:17s} {r['T']:5d} {r['colibri_ms']:10.4f} {frac:5.2f} {goal:6.2f}  {verdict}")
+        mm_ms, mm_x = r.get("matmul_ceiling_ms", math.nan), r.get("fraction_of_matmul_ceiling", math.nan)
+        lines.append(f"{r['shape']:{width}s} {r['T']:5d} {r['colibri_ms']:10.4f} {mm_ms:9.4f} {mm_x:8.2f} "
+                     f"{frac:5.2f} {goal:6.2f}  {verdict}")
+        if r.get("matmul_ceiling_status", "ok") != "ok":
+            reasons.setdefault(r["matmul_ceiling_status"], []).append(f"{r['shape']} T={r['T']}")
+    for why, where in reasons.items():
+        lines.append(f"  {why} ({len(where)} rows: {', '.join(where[:3])}{', ...' if len(where) > 3 else ''})")
     lines.append(f"DESIGN.md's targets met on {met} of {len(run['rows'])} rows "
-                 f"(copy {run['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {run['bf16_matmul_rate'] / 1e12:.0f} TFLOP/s)")
+                 f"(copy {run['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {run['bf16_matmul_rate'] / 1e12:.0f} TFLOP/s); "
+                 f"cuBLAS: torch.matmul per expert on the same GEMMs, x cuBLAS its time over Colibri's")
     return lines, met, len(run["rows"])
+
+
+def layer_title(r: dict) -> str:
+    """A row's layer in a few words: experts x (H, F), k, and its shared expert (gated or not)."""
+    shared = f", shared {r['shared_F']}{' gated' if r.get('shared_gate') else ''}" if r.get("shared_F") else ""
+    return f"{r['E']} x ({r['H']}, {r['F']}), k={r['k']}{shared}"
 
 
 def tick_labels(ts: list[int], most: int = 10) -> list[str]:
@@ -81,12 +99,17 @@ def plot(run: dict, path: str) -> None:
         for name in dict.fromkeys(n for r in rows for n in r.get("compare", {})):
             pts = [(r["T"], r["compare"][name]["fraction_of_floor"]) for r in rows if name in r.get("compare", {})]
             frac.plot(*zip(*pts), ".:", alpha=0.7, label=name)
-        frac.set_title(f"{shape} ({rows[0]['E']} x ({rows[0]['H']}, {rows[0]['F']}), k={rows[0]['k']})", fontsize=9)
+        frac.set_title(f"{shape} ({layer_title(rows[0])})", fontsize=9)
         frac.set_ylim(0, max(1.1, max(r["fraction_of_floor"] for r in rows) * 1.05))
         frac.grid(alpha=0.3)
         speed.plot(ts, [r["speedup_vs_eager"] for r in rows], "s-", color="tab:red", label="over PyTorch eager")
         speed.plot(ts, [r["speedup_vs_grouped"] for r in rows], "^-", color="tab:green",
                    label="over torch._grouped_mm")
+        ceiling = [(r["T"], r["fraction_of_matmul_ceiling"]) for r in rows
+                   if math.isfinite(r.get("fraction_of_matmul_ceiling", math.nan))]
+        if ceiling:  # runs from before the ceiling have none
+            speed.plot(*zip(*ceiling), "D-", color="tab:purple", markersize=4,
+                       label="over cuBLAS per expert (torch.matmul)")
         speed.axhline(1.0, color="0.5", linewidth=0.8)
         speed.set_yscale("log")
         speed.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
@@ -204,8 +227,7 @@ def plot_fp8(run: dict, path: str) -> None:
                        fontsize=6, color="tab:blue", wrap=True)
         times.set_xscale("log", base=2)
         times.set_yscale("log")
-        times.set_title(f"{shape} ({rows[0]['E']} x ({rows[0]['H']}, {rows[0]['F']}), k={rows[0]['k']}"
-                        + (f", shared {rows[0]['shared_F']}" if rows[0].get("shared_F") else "") + ")", fontsize=9)
+        times.set_title(f"{shape} ({layer_title(rows[0])})", fontsize=9)
         times.grid(alpha=0.3, which="both")
         for key, goal_of, color, label in (
                 ("fp8_vs_bf16", lambda r: fp8_ratio_target(r["T"]), "tab:blue", "fp8 / bf16 time (target: at most)"),

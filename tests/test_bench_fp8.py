@@ -16,12 +16,22 @@ ROOT = Path(__file__).resolve().parents[1]
 load_script(ROOT / "bench" / "gpu_report.py")  # bench_gpu imports its sibling by name
 bench = load_script(ROOT / "bench" / "bench_gpu.py")
 
+
+def small(name, **dims):
+    """A family row of bench_gpu's FAMILY_SHAPES with its features (routing, top-k, shared expert and gate) at a
+    small size."""
+    return dict(bench.FAMILY_SHAPES[name], **dims)
+
+
 # small layers with each feature the GPU rows have: softmax top-k renormalised with ragged scale blocks
-# (H, F not multiples of 128), and DeepSeek-V3's routing with groups, scaling and a shared expert
+# (H, F not multiples of 128), DeepSeek-V3's routing with groups, scaling and a shared expert, Qwen3-Next's
+# top-10 beside a gated shared expert, and the top-1 row's sigmoid without bias or renormalisation
 SPECS = {
     "softmax, ragged blocks": dict(E=8, k=2, H=160, F=96, routing=0, renorm=1, scale=1.0),
     "DeepSeek-V3 features": dict(E=16, k=4, H=256, F=128, routing=2, n_group=4, topk_group=2, renorm=1, scale=2.5,
                                  shared_F=128),
+    "Qwen3-Next features": small("Qwen3-Next-80B-A3B", E=64, H=128, F=64, shared_F=64),
+    "top-1 + shared features": small("top1+shared@Maverick", E=16, H=160, F=96, shared_F=96),
 }
 
 
@@ -105,22 +115,50 @@ def test_fp8_context_is_exact_against_the_reference(lib, seed, name):
     del host
 
 
+def wide(L):
+    """L with its weights in float64 and its router and biases as drawn (fp32, the library's routing dtype): the
+    bench's eager loop on it is its reference's math in float64."""
+    return {key: v if key in ("router", "sel_bias", "logit_bias") else v.double() for key, v in L.items()}
+
+
+def reference_of_record(spec, L, x):
+    """colibri.reference's float64 layer (colibri.h's semantics, independent of the bench) of a bench layer."""
+    from colibri import reference
+    Fs = spec.get("shared_F", 0)
+    config = colibri.LayerConfig(
+        num_experts=spec["E"], top_k=spec["k"], hidden_size=spec["H"], intermediate_size=spec["F"],
+        weight_dtype="fp32", routing=("softmax_topk", "topk_softmax", "sigmoid_bias")[spec["routing"]],
+        renormalize=bool(spec["renorm"]), routed_scaling_factor=spec["scale"], n_group=max(1, spec.get("n_group", 1)),
+        topk_group=spec.get("topk_group", 1), group_score="top2_sum", shared_intermediate_size=Fs,
+        shared_gate=bool(spec.get("shared_gate")))
+
+    def np32(*keys):
+        return torch.cat([L[key].float().flatten(1 if L[key].dim() == 3 else 0) for key in keys], -1).numpy()
+    return torch.from_numpy(reference.moe_forward(
+        config, np32("w1", "w3", "w2"), x.double().numpy(), router=L["router"].numpy(),
+        router_bias=L["sel_bias"].numpy() if "sel_bias" in L else None,
+        shared_expert=np32("s1", "s3", "s2") if Fs else None,
+        shared_expert_gate=L["sgate"].numpy() if "sgate" in L else None))
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_bf16_context_matches_its_weights(lib, seed, name):
-    # layer_context's bf16 packing, shared by the family rows and the fp8 rows' bf16 forward
+    # layer_context's bf16 packing, shared by the family rows and the fp8 rows' bf16 forward, and the family
+    # rows' eager reference (routing, top-k, shared expert and its gate) in float64, against colibri.reference
     spec = SPECS[name]
     L, _, ctx, host = cpu_layer(lib, spec, fp8=False)
     try:
         T = 9
         x = torch.randn(T, spec["H"]).bfloat16()
-        w, ids = bench.family_route(x, L, spec)
-        shared = (lambda xs: bench.swiglu(xs, *(L[key].double() for key in ("s1", "s3", "s2")))) if "s1" in L else None
-        ref = bench.expert_loop(x.double(), w.double(), ids, spec["E"],
-                                lambda e, xs: bench.swiglu(xs, *(L[key][e].double() for key in ("w1", "w3", "w2"))),
-                                shared)
+        ref = bench.family_eager(x.double(), wide(L), spec)
+        # the bench routes in fp32 as the library does (weights within 1e-7), the reference in float64; a
+        # token routed to another expert would read orders of magnitude above it
+        assert bench.rel_err(ref, reference_of_record(spec, L, x)) < 1e-6
         xf, out = x.float(), torch.full((T, spec["H"]), float("nan"))
         assert lib.colibri_moe_forward(ctx, T, 0, xf.data_ptr(), None, None, out.data_ptr(), None) == 0
         assert bench.rel_err(out, ref) < 1e-5
+        # the bf16 loop the GPU rows time and compare with: the same layer, bf16 rounding only
+        assert bench.rel_err(bench.family_eager(x, L, spec), ref) < 2e-2
     finally:
         lib.colibri_moe_context_destroy(ctx)
     del host
@@ -158,3 +196,21 @@ def test_scaled_grouped_baseline_computes_the_layer(seed, name, monkeypatch):
     # both operands of each GEMM rounded to fp8 (about 2^-4 / sqrt(3) rms each), twice in a row: 5-8% here;
     # a token scattered to the wrong row or expert would read near 1
     assert err < 0.15 and not math.isnan(err)
+
+
+def test_ceiling_work_is_the_layers_gemms(seed):
+    # the per-expert ceilings (torch.matmul for bf16 rows, torch._scaled_mm for fp8) take each expert that got
+    # rows with its own weights against its routed rows (fp8: rounded up to 16), and the shared expert against
+    # all T rows
+    spec, T = SPECS["DeepSeek-V3 features"], 7
+    L = bench.family_layer(spec, device="cpu")
+    counts = torch.bincount(bench.family_route(torch.randn(T, spec["H"]).bfloat16(), L, spec)[1].flatten(),
+                            minlength=spec["E"]).tolist()
+    experts, shared = (L["w1"], L["w3"], L["w2"]), (L["s1"], L["s3"], L["s2"])
+    hit = [e for e, m in enumerate(counts) if m]
+    work = bench.expert_gemms(counts, T, experts, shared)
+    assert [m for m, *_ in work] == [counts[e] for e in hit] + [T] and sum(counts) == T * spec["k"]
+    for (_, *mats), e in zip(work, hit):
+        assert all(torch.equal(a, b[e]) for a, b in zip(mats, experts))
+    assert all(a is b for a, b in zip(work[-1][1:], shared))
+    assert [m for m, *_ in bench.expert_gemms(counts, T, experts, (), pad=16)] == [16] * len(hit)

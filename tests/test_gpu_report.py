@@ -44,6 +44,21 @@ def test_summary_counts_the_printed_fraction():
     assert "targets met on 2 of 4 rows" in lines[-1] and "4.00 TB/s" in lines[-1]
 
 
+def test_summary_shows_the_cublas_ceiling():
+    # bench_gpu's per-expert torch.matmul ceiling beside each row, the reason where it did not run, and nan for
+    # a run saved before it was measured
+    rows = [dict(fake_row("Mixtral-8x7B", 8, 4096, 0.8, ms=2.0), matmul_ceiling_ms=3.0,
+                 fraction_of_matmul_ceiling=1.5, matmul_ceiling_status="ok"),
+            dict(fake_row("Qwen3-Next-80B-A3B", 512, 1, 0.6), matmul_ceiling_ms=math.nan,
+                 fraction_of_matmul_ceiling=math.nan, matmul_ceiling_status="torch.matmul ceiling failed: oom"),
+            fake_row("Qwen1.5-MoE", 60, 1, 0.6)]
+    lines, met, total = gpu_report.summary(fake_run(rows))
+    assert lines[1].split()[3:5] == ["3.0000", "1.50"] and lines[2].split()[3:5] == ["nan", "nan"]
+    assert lines[3].split()[3:5] == ["nan", "nan"] and lines[3].startswith("Qwen1.5-MoE ")
+    assert "torch.matmul ceiling failed: oom (1 rows: Qwen3-Next-80B-A3B T=1)" in lines[4]
+    assert (met, total) == (3, 3)
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("gpu_*.json")), ids=lambda p: p.name)
 def test_kept_result_reads(path):
     # bench/results/ keeps the latest run per GPU kind: gpu_report reads it, every row against its target
