@@ -9,21 +9,28 @@ against each expert tier. Every protocol sees the same prompts, the same arrival
 
 Load: open loop. Requests arrive as a Poisson process at the offered rate (fixed seed); each is a
 prompt of --prompt-tokens random ids, prefilled through every layer to its first new token, then
---new-tokens - 1 more tokens greedily. One attention tier serves one request at a time in arrival order,
-so a request's TTFT is its wait behind earlier requests plus its own prefill, measured from its
-scheduled arrival (a late request is not excused: no coordinated omission). TPOT is the mean time of
-its later tokens. Reported per protocol and offered rate: P50/P99 TTFT and P99 TPOT with sample counts.
-A tier's capacity is 1 / its warm request (prefill and every later token). The fixed offered load is
---fixed-load of the eager baseline's capacity,
-so the baseline is loaded but not saturated; the sweep finds the highest rate whose P99 TTFT stays within
---budget-ms.
+--new-tokens - 1 more tokens greedily. Each tier serves them through a continuous batcher
+(colibri.attention.batching): before every step the requests whose time has come are admitted; a step
+prefills the oldest waiting prompt alone, or, when none waits, runs one decode forward of up to
+--max-batch running sequences together (1: no batched decode, requests still interleave). A request's
+TTFT is its wait for its prefill plus the prefill, measured from its scheduled arrival (a late request
+is not excused: no coordinated omission); TPOT is the mean time of its later tokens, decode steps
+shared with the other running requests and delayed by the prefills that come first. Reported per
+protocol and offered rate: P50/P99 TTFT and TPOT with sample counts (n/offered) and the mean running
+batch of the decode forwards. Batched, a tier's capacity is no longer 1 / its whole request but about
+1 / its warm prefill: the fixed offered load is --fixed-load of 1 / eager's warm prefill (or
+--fixed-rate requests/s), and the sweep offers fractions of each tier's own 1 / warm prefill, up to
+the highest rate whose P99 TTFT stays within --budget-ms.
 
     python3 bench/bench_ttft.py --out DIR [--layers 48] [--prompt-tokens 2048] [--new-tokens 16]
         [--protocols eager,inprocess,cudashm,grpc] [--sweep 0.3,0.5,0.7,0.9] [--duration 30] [--budget-ms 200]
+        [--max-batch 32]
 
 Writes DIR/ttft.json (every sample), DIR/ttft.md (the table) and DIR/ttft.png (P99 TTFT against offered
 load, when matplotlib is there). Needs a CUDA GPU with room for the bf16 model (61 GB for 48 layers),
 torch, transformers, and for the gRPC protocols a tritonserver `python -m colibri serve` can find.
+`--device cpu` with a small `--shape` and `--layers` is a smoke test of all of it
+(tests/test_bench_ttft.py).
 """
 import argparse
 import json
@@ -53,28 +60,15 @@ def poisson_arrivals(rate, duration, seed):
     return list(itertools.takewhile(lambda t: t < duration, schedule.poisson_arrivals(rate, random.Random(seed))))
 
 
-def open_loop(tier, rate, duration, prompts, new_tokens, seed, deadline, give_up_s=5.0):
-    """Serves the arrivals of one run, one at a time in order; each sample's TTFT counts from its arrival.
-    A run whose queue holds a request back over give_up_s is overloaded: it stops there (incomplete)."""
-    import torch
-    samples = []
+def open_loop(tier, rate, duration, prompts, new_tokens, seed, deadline, give_up_s, max_batch):
+    """One run: the Poisson arrivals of `rate` over `duration` s served by a continuous batcher over `tier`
+    (colibri.attention.run_open_loop); each sample's TTFT counts from its arrival. A run whose queue holds
+    a request back over give_up_s is overloaded: it takes no more arrivals (incomplete)."""
+    from colibri.attention import ContinuousBatcher, run_open_loop
     arrivals = poisson_arrivals(rate, duration, seed)
-    start = time.perf_counter()
-    for n, arrival in enumerate(arrivals):
-        now = time.perf_counter() - start
-        if now < arrival:
-            time.sleep(arrival - now)
-        if time.perf_counter() > deadline or time.perf_counter() - start - arrival > give_up_s:
-            break
-        began = time.perf_counter() - start
-        result = tier.generate(prompts[n % len(prompts)], new_tokens)
-        samples.append({"arrival_s": arrival, "wait_s": began - arrival,
-                        "ttft_s": began - arrival + result.ttft_s, "prefill_s": result.ttft_s,
-                        "tpot_s": result.tpot_s, "tokens": len(result.tokens)})
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return {"rate": rate, "duration_s": duration, "offered": len(arrivals), "samples": samples,
-            "complete": len(samples) == len(arrivals)}
+    requests = [(prompts[n % len(prompts)], new_tokens) for n in range(len(arrivals))]
+    run = run_open_loop(ContinuousBatcher(tier, max_batch), arrivals, requests, deadline=deadline, give_up_s=give_up_s)
+    return {"rate": rate, "duration_s": duration, **run}
 
 
 def summarise(run):
@@ -84,7 +78,8 @@ def summarise(run):
     return {"rate": run["rate"], "n": len(s), "offered": run["offered"], "complete": run["complete"],
             "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
             "tpot_p50_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
-            "prefill_p50_ms": percentile([x["prefill_s"] * 1e3 for x in s], 50)}
+            "prefill_p50_ms": percentile([x["prefill_s"] * 1e3 for x in s], 50),
+            "wait_p99_ms": percentile([x["wait_s"] * 1e3 for x in s], 99), "mean_batch": run["mean_batch"]}
 
 
 def serve(folder, log, device, port_base=8700):
@@ -153,13 +148,16 @@ def main(argv=None):
                    help="eager: transformers' loop over experts; transformers: its default experts (grouped_mm); "
                         "null: the attention tier alone")
     p.add_argument("--sweep", default="0.3,0.5,0.7,0.9",
-                   help="offered loads of the sweep, as fractions of each tier's capacity (1 / its warm request)")
-    p.add_argument("--fixed-load", type=float, default=0.5, help="the fixed load as a fraction of eager's capacity")
+                   help="offered loads of the sweep, as fractions of each tier's capacity (1 / its warm prefill)")
+    p.add_argument("--fixed-load", type=float, default=0.5,
+                   help="the fixed load as a fraction of eager's capacity (1 / its warm prefill)")
     p.add_argument("--fixed-rate", type=float, default=0.0, help="the fixed load in requests/s (instead)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run")
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="most sequences in one decode forward (1: no batched decode)")
     p.add_argument("--budget-ms", type=float, default=200.0)
     p.add_argument("--give-up-s", type=float, default=30.0,
-                   help="a run whose queue holds a request back this long is overloaded and cut there")
+                   help="a run whose queue holds a request back this long is overloaded: no more arrivals")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for everything; later runs are cut")
     p.add_argument("--packed", type=Path, help="folder for the fp8 layers (default OUT/../layers)")
     p.add_argument("--seed", type=int, default=0)
@@ -186,28 +184,26 @@ def main(argv=None):
     prompts = [rng.integers(0, config.vocab_size, args.prompt_tokens).tolist() for _ in range(8)]
 
     def measure(name, tier, rates):
-        """rates: offered loads, or a callable of the tier's capacity (1 / its warm request) giving them."""
+        """rates: offered loads, or a callable of the tier's capacity (1 / its warm prefill) giving them."""
         tier.generate(prompts[0], 2)  # warm-up: kernels, allocator, caches
         warm = min((tier.generate(prompts[1], args.new_tokens) for _ in range(3)), key=lambda r: r.ttft_s)
-        service = warm.ttft_s + (args.new_tokens - 1) * warm.tpot_s
-        log(f"{name}: warm request {service * 1e3:.0f} ms (prefill {warm.ttft_s * 1e3:.1f} ms, "
-            f"TPOT {warm.tpot_s * 1e3:.2f} ms)")
-        rates = rates(1.0 / service) if callable(rates) else rates
+        log(f"{name}: warm request alone: prefill {warm.ttft_s * 1e3:.1f} ms, TPOT {warm.tpot_s * 1e3:.2f} ms")
+        rates = rates(1.0 / warm.ttft_s) if callable(rates) else rates
         runs = result["runs"].setdefault(name, {"warm_prefill_ms": warm.ttft_s * 1e3, "warm_tpot_ms": warm.tpot_s * 1e3,
-                                                "capacity_per_s": 1.0 / service, "points": []})
+                                                "capacity_per_s": 1.0 / warm.ttft_s, "points": []})
         for rate in rates:
             if time.perf_counter() > deadline:
                 log(f"{name}: time limit, rate {rate} not run")
                 break
-            run = open_loop(tier, rate, args.duration, prompts, args.new_tokens, args.seed, deadline, args.give_up_s)
+            run = open_loop(tier, rate, args.duration, prompts, args.new_tokens, args.seed, deadline, args.give_up_s,
+                            args.max_batch)
             runs["points"].append({**summarise(run), "samples": run["samples"]})
             s = runs["points"][-1]
             log(f"{name} @ {rate:.2f}/s: n={s['n']}/{s['offered']} P99 TTFT {s['ttft_p99_ms']:.0f} ms, "
-                f"P99 TPOT {s['tpot_p99_ms']:.1f} ms")
+                f"P99 TPOT {s['tpot_p99_ms']:.1f} ms, mean batch {s['mean_batch']:.1f}")
             (args.out / "ttft.json").write_text(json.dumps(result, indent=1))
             if rate != result.get("fixed_rate") and not (s["complete"] and s["ttft_p99_ms"] <= args.budget_ms):
                 break  # the sweep rises: past the budget, higher rates are past it too
-        return service
 
     sweep = [float(r) for r in args.sweep.split(",") if r]
     fixed = args.fixed_rate or None
@@ -229,9 +225,9 @@ def main(argv=None):
     fixed = fixed or 1.0
     result["fixed_rate"] = fixed
     if "null" in protocols:  # the attention tier alone: experts that answer zeros at once
-        measure("attention only", AttentionTier(model, NullExperts(model)), [])
+        measure("attention only", AttentionTier(model, NullExperts(model)), [fixed])
 
-    def rates(capacity):  # the fixed load, then the sweep's fractions of this tier's own capacity
+    def rates(capacity):  # the fixed load, then the sweep's fractions of this tier's own 1 / warm prefill
         return [fixed] + sorted(round(f * capacity, 3) for f in sweep)
     if "inprocess" in protocols:
         experts = expert_tier("inprocess", weights=packed, device=args.device)
@@ -258,11 +254,15 @@ def main(argv=None):
 
 def report(result, out, budget_ms):
     lines = [f"# TTFT, whole model ({result['device']})", "",
-             "| tier | offered req/s | n | P50 TTFT ms | P99 TTFT ms | P99 TPOT ms |", "|---|---|---|---|---|---|"]
+             f"Continuous batching, at most {result['args'].get('max_batch', '?')} sequences per decode forward.", "",
+             "| tier | offered req/s | n/offered | P50 TTFT ms | P99 TTFT ms | P50 TPOT ms | P99 TPOT ms | mean batch |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, runs in result["runs"].items():
         for s in runs["points"]:
-            lines.append(f"| {name} | {s['rate']:.2f} | {s['n']}/{s['offered']}{'' if s['complete'] else ' (overloaded: cut)'} | {s['ttft_p50_ms']:.0f} | "
-                         f"{s['ttft_p99_ms']:.0f} | {s['tpot_p99_ms']:.1f} |")
+            cut = "" if s["complete"] else " (overloaded: cut)"
+            lines.append(f"| {name} | {s['rate']:.2f} | {s['n']}/{s['offered']}{cut} | {s['ttft_p50_ms']:.0f} | "
+                         f"{s['ttft_p99_ms']:.0f} | {s['tpot_p50_ms']:.1f} | {s['tpot_p99_ms']:.1f} | "
+                         f"{s.get('mean_batch', float('nan')):.1f} |")
     lines += ["", "Warm, one request alone (min of 3): prefill = TTFT without queueing; the expert tier's share per "
               "MoE layer = (tier - attention only) / MoE layers.", "",
               "| tier | prefill ms | TPOT ms | prefill share / layer ms | TPOT share / layer ms |", "|---|---|---|---|---|"]

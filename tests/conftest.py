@@ -51,3 +51,17 @@ def colibri_server(serving_weights, tmp_path_factory):
     from colibri.testing.server import serving
     with serving(serving_weights, tmp_path_factory.mktemp("logs")) as running:
         yield running
+
+
+@pytest.fixture(scope="session")
+def generate_models(tmp_path_factory):
+    """family name -> the family's tiny model written, packed and given prompts with transformers' tokens
+    (colibri.testing.generation.prepare), each made once for the session, whichever tests ask for it."""
+    made = {}
+
+    def model(name):
+        if name not in made:
+            from colibri.testing.generation import prepare
+            made[name] = prepare(name, tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}_packed"), SEED)
+        return made[name]
+    return model

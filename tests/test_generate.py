@@ -4,15 +4,14 @@ sigmoid routing and a shared expert; gpt-oss, whose block returns a tuple), ever
 `pack --layer all --verify`, and greedy generation through colibri.attention, in-process and over gRPC
 from the real tritonserver serving the packed folder (one server start per family), giving exactly the
 tokens of transformers' own `generate` (16 new tokens, 3 random prompts per family, drawn again where
-transformers' own top two logits, or some MoE layer's routing, are near a tie). Also: the tier reads no expert weight, the CLI once
-end to end, and the one-line refusals. Needs torch and transformers (skipped without); the gRPC tests
+transformers' own top two logits, or some MoE layer's routing, are near a tie: colibri.testing.generation,
+shared with test_batching through conftest's generate_models). Also: the tier reads no expert weight,
+the CLI once end to end, and the one-line refusals. Needs torch and transformers (skipped without); the gRPC tests
 need tritonserver (skipped without)."""
 import json
 import subprocess
 import sys
-import types
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,97 +20,22 @@ transformers = pytest.importorskip("transformers")
 import colibri  # noqa: E402
 from colibri import __main__ as cli  # noqa: E402
 from colibri.attention import AttentionTier, ColibriBlock, expert_tier  # noqa: E402
-from colibri.pack import pack, routing_ties  # noqa: E402
 from colibri.pack.source import _Source  # noqa: E402
 from colibri.testing.families import write_model  # noqa: E402
+from colibri.testing.generation import FAMILIES, MOE_LAYERS, NEW_TOKENS  # noqa: E402
 from colibri.testing.server import missing_reason, serving  # noqa: E402
-from conftest import SEED  # noqa: E402
-
-NEW_TOKENS = 16
-PROMPTS = 3
-# Config fields beyond colibri.testing.families': Qwen3-MoE at 4 layers (decoder_sparse_step 2: layers 1 and
-# 3 MoE); DeepSeek-V3's attention (MLA) has as many key/value heads as query heads.
-FAMILIES = {"qwen3_moe": dict(num_hidden_layers=4), "deepseek_v3": dict(num_key_value_heads=4), "gpt_oss": {}}
-MOE_LAYERS = {"qwen3_moe": [1, 3], "deepseek_v3": [1], "gpt_oss": [0, 1]}
-# A prompt is drawn again where transformers' top two logits at some step are closer than this (times
-# max(1, |top|)): there fp32 rounding in another order may pick either, and neither would be wrong.
-MIN_MARGIN = 1e-4
-# Likewise a prompt where some MoE layer's routing was this near a tie (colibri.pack.routing_ties).
-ROUTING_TIE = 1e-4
 
 needs_server = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
 
 
-def reference_tokens(model, prompt, packed, moe_layers):
-    """transformers' own greedy generate (end-of-sequence off: always NEW_TOKENS), its smallest margin
-    between the two best logits over the steps, and whether some token of some MoE layer was at a routing
-    near-tie (its experts' scores within ROUTING_TIE of a tie: there the attention tier's own rounding,
-    some 1e-7 away from transformers', may pick other experts, and the tokens part ways)."""
-    inputs, hooks = {n: [] for n in moe_layers}, []
-    for n in moe_layers:
-        block = model.model.layers[n].mlp
-        hooks.append(block.register_forward_pre_hook(
-            lambda module, args, n=n: inputs[n].append(args[0].reshape(-1, args[0].shape[-1]).numpy().copy())))
-    try:
-        with torch.no_grad():
-            # attention_mask given: without it generate masks every id equal to pad_token_id (0 for
-            # DeepSeek-V3's config) as padding, where the tier, like a server, takes the prompt as sent.
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, output_scores=True, return_dict_in_generate=True)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    tie = any(routing_ties(packed / f"layer{n}.colibri.safetensors", np.concatenate(inputs[n]), ROUTING_TIE).any()
-              for n in moe_layers)
-    margins = []
-    for scores in out.scores:
-        top = torch.topk(scores[0].double(), 2).values
-        margins.append(float((top[0] - top[1]) / max(1.0, abs(float(top[0])))))
-    return out.sequences[0, len(prompt):].tolist(), min(margins), tie
-
-
-def prepare(name, tmp_path_factory):
-    """The family's model written and packed, transformers' own model of it, and PROMPTS prompts with the
-    tokens transformers generates for them."""
-    hf_dir, packed = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}_packed")
-    write_model(name, hf_dir, **FAMILIES[name])
-    configs = pack(hf_dir, packed, layer="all", verify=True, progress=False)
-    assert sorted(int(p.name[5:].split(".")[0]) for p in packed.iterdir()) == MOE_LAYERS[name]
-    assert len(configs) == len(MOE_LAYERS[name])
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    rng = np.random.default_rng([SEED, *name.encode()])
-    prompts, expected = [], []
-    while len(prompts) < PROMPTS:
-        prompt = [int(i) for i in rng.integers(0, model.config.vocab_size, int(rng.integers(2, 13)))]
-        tokens, margin, tie = reference_tokens(model, prompt, packed, MOE_LAYERS[name])
-        if margin > MIN_MARGIN and not tie:
-            prompts.append(prompt)
-            expected.append(tokens)
-    return types.SimpleNamespace(name=name, hf_dir=hf_dir, packed=packed, model=model, prompts=prompts,
-                                 expected=expected)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """family name -> prepare(name), each made once for the module, whichever tests ask for it."""
-    made = {}
-
-    def model(name):
-        if name not in made:
-            made[name] = prepare(name, tmp_path_factory)
-        return made[name]
-    return model
-
-
 @pytest.fixture(params=sorted(FAMILIES))
-def family(request, models):
-    return models(request.param)
+def family(request, generate_models):
+    return generate_models(request.param)
 
 
 @pytest.fixture
-def qwen(models):
-    return models("qwen3_moe")
+def qwen(generate_models):
+    return generate_models("qwen3_moe")
 
 
 @pytest.fixture(scope="module")

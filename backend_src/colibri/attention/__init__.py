@@ -17,6 +17,9 @@ Exported:
                     dtype, seed) (random non-expert weights), AttentionTier(model, experts) for a
                     model already built, AttentionTier.eager(model) (the transformers baseline), generate()
     GenerateResult  tokens, ttft_s, tpot_s, prompt_tokens
+    ContinuousBatcher
+                    continuous batching over an AttentionTier: submit(), step(); run_open_loop(batcher,
+                    arrivals, requests) drives it from a schedule (colibri.attention.batching)
     ColibriBlock    the drop-in for PyTorch users: a module that replaces a transformers MoE block by a
                     packed colibri.MoELayer, in-process, capturable in a CUDA graph on a GPU
     ExpertBlock     the module AttentionTier puts in place of each MoE block
@@ -24,7 +27,8 @@ Exported:
 `python -m colibri generate --help` runs it from the command line (colibri.attention.cli).
 """
 _EXPORTS = {"AttentionTier": "tier", "GenerateResult": "tier", "expert_tier": "experts",
-            "ColibriBlock": "blocks", "ExpertBlock": "blocks"}
+            "ColibriBlock": "blocks", "ExpertBlock": "blocks", "ContinuousBatcher": "batching",
+            "BatchedResult": "batching", "run_open_loop": "batching"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -93,7 +93,10 @@ class AttentionTier:
 
     def check_prompt(self, prompt_ids):
         """The prompt as a list of ints, or a one-line refusal naming the first id out of the vocabulary."""
-        ids = [int(i) for i in prompt_ids]
+        try:
+            ids = [int(i) for i in prompt_ids]
+        except (TypeError, ValueError):
+            raise invalid(f"prompt_ids: expected a list of token ids (integers), got {prompt_ids!r:.60}") from None
         if not ids:
             raise invalid("prompt_ids: empty; a prompt has at least one token")
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
