@@ -207,6 +207,8 @@ def main(argv=None):
 
     sweep = [float(r) for r in args.sweep.split(",") if r]
     fixed = args.fixed_rate or None
+    if fixed:
+        result["fixed_rate"] = fixed
     # The baselines: transformers' model with its own experts, as its "eager" loop over experts (the
     # issue's baseline, which sets the fixed load) and as its default (grouped_mm where torch has it).
     for name, implementation in (("eager", "eager"), ("transformers", None)):

@@ -22,7 +22,8 @@ SHAPE = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256, 
 NEW_TOKENS = 4
 
 
-def test_the_ttft_bench_runs_on_the_cpu(tmp_path):
+def run_bench(tmp_path, *options):
+    """bench_ttft.py on the CPU with a tiny shape and `options` added; returns (ttft.json, out folder)."""
     package_parent = str(pathlib.Path(colibri.__file__).resolve().parents[1])
     # One OpenMP thread: on a small shared CI machine torch's threads and the library's oversubscribe
     # the cores, and a tiny model's forwards then take tens of times longer.
@@ -31,11 +32,15 @@ def test_the_ttft_bench_runs_on_the_cpu(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(ROOT / "bench" / "bench_ttft.py"), "--device", "cpu", "--layers", "2",
                "--shape", json.dumps(SHAPE), "--prompt-tokens", "32", "--new-tokens", str(NEW_TOKENS),
-               "--protocols", "eager,null,inprocess", "--duration", "1", "--sweep", "0.5", "--max-batch", "4",
-               "--out", str(out), "--packed", str(tmp_path / "layers")]
+               "--duration", "1", "--sweep", "0.5", "--max-batch", "4", "--out", str(out),
+               "--packed", str(tmp_path / "layers"), *options]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    written = json.loads((out / "ttft.json").read_text())
+    return json.loads((out / "ttft.json").read_text()), out
+
+
+def test_the_ttft_bench_runs_on_the_cpu(tmp_path):
+    written, out = run_bench(tmp_path, "--protocols", "eager,null,inprocess")
     assert written["device"] == "cpu" and written["args"]["max_batch"] == "4"
     assert sorted(written["runs"]) == ["attention only", "eager", "inprocess"]
     eager = written["runs"]["eager"]
@@ -55,3 +60,9 @@ def test_the_ttft_bench_runs_on_the_cpu(tmp_path):
     assert "| tier | offered req/s | n/offered | P50 TTFT ms | P99 TTFT ms | P50 TPOT ms | P99 TPOT ms | mean batch |" \
         in table
     assert "at most 4 sequences per decode forward" in table
+
+
+def test_a_fixed_rate_in_requests_per_second_is_every_tiers_first_load(tmp_path):
+    written, _ = run_bench(tmp_path, "--protocols", "eager,inprocess", "--fixed-rate", "3")
+    assert written["fixed_rate"] == 3
+    assert [written["runs"][name]["points"][0]["rate"] for name in ("eager", "inprocess")] == [3, 3]
