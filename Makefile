@@ -33,12 +33,12 @@ LDLIBS      += -lm -fopenmp
 
 NVCC        ?= $(shell command -v nvcc 2>/dev/null)
 # `make serve` wants a first answer in minutes: without an NVIDIA driver it builds the CPU backend only
-# (the CUDA kernels take 10-20 minutes on 2 cores with make -j2), unless CUDA is given.
+# (the CUDA kernels take about 8 minutes on 2 cores with make -j2), unless CUDA is given.
 NVIDIA_DRIVER_FOUND := $(wildcard /proc/driver/nvidia/version /dev/nvidiactl)
 ifeq ($(origin CUDA)$(filter serve,$(MAKECMDGOALS))$(NVIDIA_DRIVER_FOUND)$(if $(NVCC),nvcc),undefinedservenvcc)
   CUDA := 0
   CUDA_NOTE := no NVIDIA driver here; make serve CUDA=1 builds it anyway
-  $(info colibri: make serve builds the CPU backend only: no NVIDIA driver here (CUDA=1 builds the CUDA backend too, 10-20 minutes on 2 cores))
+  $(info colibri: make serve builds the CPU backend only: no NVIDIA driver here (CUDA=1 builds the CUDA backend too, about 8 minutes on 2 cores))
 endif
 CUDA        ?= $(if $(NVCC),1,0)
 CUDA_ARCH   ?= 80 90
@@ -100,7 +100,7 @@ $(BUILD)/obj/%.o: csrc/%.c $(HEADERS)
 
 $(BUILD)/obj/%.o: csrc/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
-	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (each unit of instances/ 2-6 on a core; make -j runs them side by side); CUDA=0 skips the CUDA backend"
+	@echo "colibri: nvcc $< for sm $(CUDA_ARCH): the CUDA kernels take minutes to compile (each unit of instances/ 0.5-1.5 on a core; make -j runs them side by side); CUDA=0 skips the CUDA backend"
 	$(NVCC) $(CPPFLAGS) $(NVCCFLAGS) -c $< -o $@
 
 # Libraries are written beside their target and renamed over it: a server that has the old one
