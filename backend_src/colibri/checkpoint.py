@@ -84,8 +84,9 @@ class Checkpoint:
 
 
 def version_for(config: LayerConfig) -> int:
-    """The lowest format version that describes the layer: 3 for fp8 experts, else 2."""
-    return 3 if config.fp8 else 2
+    """The lowest format version whose EXPERT_DTYPES hold the layer's experts: 2 for the float dtypes, 3 for
+    a weights-only dtype (fp8)."""
+    return min(v for v, held in EXPERT_DTYPES.items() if v >= 2 and DTYPES[config.weight_dtype].safetensors in held)
 
 
 def _fail(path, message) -> ColibriError:

@@ -13,13 +13,15 @@ class DType(NamedTuple):
     c_enum: str              # colibri_dtype_t member in colibri.h
     storage: np.dtype        # numpy's dtype for it (bf16: its bits; fp8: its codes)
     triton: Optional[str]    # Triton's config.pbtxt data_type, for activations; None: weights only
+    compute: str             # what experts of these weights compute and store in (csrc/src/dtype.h)
 
 
 DTYPES = {d.name: d for d in (
-    DType("fp32", "F32", "COLIBRI_DTYPE_F32", np.dtype(np.float32), "TYPE_FP32"),
-    DType("fp16", "F16", "COLIBRI_DTYPE_F16", np.dtype(np.float16), "TYPE_FP16"),
-    DType("bf16", "BF16", "COLIBRI_DTYPE_BF16", np.dtype(np.uint16), "TYPE_BF16"),
-    DType("fp8_e4m3", "F8_E4M3", "COLIBRI_DTYPE_F8E4M3", np.dtype(np.uint8), None),  # with scales: colibri.fp8
+    DType("fp32", "F32", "COLIBRI_DTYPE_F32", np.dtype(np.float32), "TYPE_FP32", "fp32"),
+    DType("fp16", "F16", "COLIBRI_DTYPE_F16", np.dtype(np.float16), "TYPE_FP16", "fp16"),
+    DType("bf16", "BF16", "COLIBRI_DTYPE_BF16", np.dtype(np.uint16), "TYPE_BF16", "bf16"),
+    # with scales: colibri.fp8; e4m3 values are exact in bf16
+    DType("fp8_e4m3", "F8_E4M3", "COLIBRI_DTYPE_F8E4M3", np.dtype(np.uint8), None, "bf16"),
 )}
 FLOAT_DTYPES = tuple(name for name, d in DTYPES.items() if d.triton)   # activations, and weights
 WEIGHT_DTYPES = tuple(DTYPES)

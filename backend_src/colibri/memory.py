@@ -19,11 +19,11 @@ from typing import Iterable
 
 from colibri._native import ColibriError, STATUS_OUT_OF_MEMORY
 from colibri.config import LayerConfig
+from colibri.dtypes import DTYPES, ITEMSIZE
 
 AVAILABLE_OVERRIDE = "COLIBRI_MEMORY_AVAILABLE_BYTES"
 CUDA_WORKSPACE_TOKENS = 8192  # the CUDA backend's default (csrc/src/cuda/context.cu)
 CPU_WORKSPACE_TOKENS = 256    # the CPU backend's default (csrc/src/cpu/moe_cpu.c)
-_ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8_e4m3": 1}
 
 
 def _shared_slices(config: LayerConfig) -> int:
@@ -37,12 +37,12 @@ def gpu_bytes(config: LayerConfig, tokens: int = CUDA_WORKSPACE_TOKENS) -> int:
     E, H, F, k = config.num_experts, config.hidden_size, config.intermediate_size, config.top_k
     slices = _shared_slices(config)
     experts = E + slices
-    expert_bytes = config.expert_numel * _ITEMSIZE[config.weight_dtype]
+    expert_bytes = config.expert_numel * ITEMSIZE[config.weight_dtype]
     weights = experts * ((expert_bytes + 255) // 256 * 256)
     floats = (E * H if config.has_router else 0) + 2 * E + H  # router, its biases, the shared gate
     floats += experts * (config.expert_bias_width if config.expert_bias else 0)
     floats += experts * config.scales_numel if config.fp8 else 0
-    compute = 4 if config.weight_dtype == "fp32" else 2  # activations: fp8 and 16-bit compute in bf16
+    compute = ITEMSIZE[DTYPES[config.weight_dtype].compute]  # inter and outputs, in the compute dtype
     positions = tokens * (k + slices)
     workspace = (tokens * H * compute + positions * (F + config.out_features) * compute  # inputs, inter, outputs
                  + tokens * E * 4 + positions * 24)                                   # logits, routing, permutes
