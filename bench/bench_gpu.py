@@ -879,7 +879,8 @@ def bench_fp8(lib, timer, name, copy_bw, fp8_rate, rows, tokens=TOKENS):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lib", default="build/libcolibri.so")
     ap.add_argument("--json", default="bench/gpu.json")
     ap.add_argument("--reps", type=int, default=30)
