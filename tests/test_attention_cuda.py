@@ -20,7 +20,7 @@ from colibri.pack import pack  # noqa: E402
 from colibri.testing import error_limit  # noqa: E402
 from colibri.testing.families import write_model  # noqa: E402
 from colibri.testing.server import missing_reason, serving  # noqa: E402
-from test_generate import MIN_MARGIN, NEW_TOKENS  # noqa: E402
+from colibri.testing.generation import MIN_MARGIN, NEW_TOKENS  # noqa: E402
 
 gpu = colibri.cuda_built() and colibri.cuda_device_count() > 0 and torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not gpu, reason="needs the CUDA backend built, a CUDA device and torch with CUDA")
