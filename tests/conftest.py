@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import colibri
+from colibri.testing.generation import FAMILIES as GENERATE_FAMILIES
 
 SEED = int(os.environ.get("COLIBRI_TEST_SEED") or np.random.SeedSequence().entropy % 2**32)
 
@@ -65,3 +66,16 @@ def generate_models(tmp_path_factory):
             made[name] = prepare(name, tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}_packed"), SEED)
         return made[name]
     return model
+
+
+@pytest.fixture(params=sorted(GENERATE_FAMILIES))
+def family(request, generate_models):
+    """Each family of colibri.testing.generation, as generate_models makes it (test_generate, test_batching;
+    a test's own parametrize of "family" takes precedence)."""
+    return generate_models(request.param)
+
+
+@pytest.fixture
+def qwen(generate_models):
+    """The qwen3_moe model of generate_models."""
+    return generate_models("qwen3_moe")

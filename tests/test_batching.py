@@ -13,21 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 import colibri  # noqa: E402
 from colibri.attention import AttentionTier, ContinuousBatcher, expert_tier, run_open_loop  # noqa: E402
-from colibri.testing.generation import FAMILIES  # noqa: E402
 
 # (prompt index, max_new_tokens, steps run after its submit): submits interleaved with steps, so requests
 # join a running batch, leave it at different times, and (with max_batch 2) wait for a place in it.
 PLAN = [(0, 16, 2), (1, 5, 3), (2, 12, 1), (0, 3, 4), (1, 9, 2), (2, 1, 0), (1, 7, 3)]
-
-
-@pytest.fixture(params=sorted(FAMILIES))
-def family(request, generate_models):
-    return generate_models(request.param)
-
-
-@pytest.fixture
-def qwen(generate_models):
-    return generate_models("qwen3_moe")
 
 
 def serve_plan(batcher, family, plan=PLAN):

@@ -22,20 +22,10 @@ from colibri import __main__ as cli  # noqa: E402
 from colibri.attention import AttentionTier, ColibriBlock, expert_tier  # noqa: E402
 from colibri.pack.source import _Source  # noqa: E402
 from colibri.testing.families import write_model  # noqa: E402
-from colibri.testing.generation import FAMILIES, MOE_LAYERS, NEW_TOKENS  # noqa: E402
+from colibri.testing.generation import MOE_LAYERS, NEW_TOKENS  # noqa: E402
 from colibri.testing.server import missing_reason, serving  # noqa: E402
 
 needs_server = pytest.mark.skipif(missing_reason() is not None, reason=f"no tritonserver: {missing_reason()}")
-
-
-@pytest.fixture(params=sorted(FAMILIES))
-def family(request, generate_models):
-    return generate_models(request.param)
-
-
-@pytest.fixture
-def qwen(generate_models):
-    return generate_models("qwen3_moe")
 
 
 @pytest.fixture(scope="module")
