@@ -897,9 +897,8 @@ def main():
     ap.add_argument("--plot-fp8", default="", help="also draw the fp8 rows into this PNG (needs matplotlib)")
     args = ap.parse_args()
     wanted, fp8_wanted = [s for s in args.shapes.split(",") if s], [s for s in args.fp8_shapes.split(",") if s]
-    known = bf16_names
-    for name in [n for n in wanted if n not in known] + [n for n in fp8_wanted if n not in FP8_SHAPES]:
-        ap.error(f"unknown shape {name!r} (bf16: {', '.join(known)}; fp8: {', '.join(FP8_SHAPES)})")
+    for name in [n for n in wanted if n not in bf16_names] + [n for n in fp8_wanted if n not in FP8_SHAPES]:
+        ap.error(f"unknown shape {name!r} (bf16: {', '.join(bf16_names)}; fp8: {', '.join(FP8_SHAPES)})")
     tokens = [int(t) for t in args.tokens.split(",") if t]
     lib = load_lib(args.lib)
     others = [(c.split("=", 1)[0], load_lib(c.split("=", 1)[1])) for c in args.compare.split(",") if c]
