@@ -1167,6 +1167,15 @@ static void feature_cases(bool quick, std::mt19937_64 &rng) {
             feature_case("deepseek-shared", ds_shape, COLIBRI_EXPERT_SWIGLU, w, w, COLIBRI_ROUTING_SIGMOID_BIAS, 1, T,
                          dss, rng);
         }
+    /* Qwen3-Next's 512 experts, top-10, a gated shared expert (the top-k holds every logit in registers), and
+     * 600 experts (the logits past 512 read from L2 at each pick) */
+    Feat qn = qs;
+    qn.Fs = 64;
+    for (int T : {1, 7, 64})
+        feature_case("qwen3next-shared", {512, 10, 128, 64}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16,
+                     COLIBRI_DTYPE_BF16, COLIBRI_ROUTING_SOFTMAX_TOPK, 1, T, qn, rng);
+    feature_case("experts-600", {600, 8, 64, 32}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_F32,
+                 COLIBRI_ROUTING_SOFTMAX_TOPK, 1, 7, Feat{}, rng);
     feature_case("shared-given", {16, 4, 128, 64}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16, GIVEN,
                  0, 300, qs, rng);
     feature_case("shared-odd", {5, 3, 36, 20}, COLIBRI_EXPERT_SWIGLU, COLIBRI_DTYPE_BF16, COLIBRI_DTYPE_BF16,

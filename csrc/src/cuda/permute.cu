@@ -161,16 +161,18 @@ colibri_status_t colibri_cuda_launch_permute(const colibri_moe_context_t *ctx, i
     return COLIBRI_OK;
 }
 
-/* One warp per token (colibri_cuda_launch_slots); the shared gate's dot in fp32, lanes strided over H
- * and summed by shuffles (a fixed order: the same bits every run). */
-template <class TX>
+/* One block per token (colibri_cuda_launch_slots): the routed slots copied, then the shared slots, weighted
+ * by the shared gate where there is one: sigmoid of its fp32 dot with x, the 256 threads strided over H (VEC: 4
+ * elements a load), summed by shuffles and then over the warps in order (the same bits every run). A warp per
+ * token read H = 2048 in 64 rounds of loads, each waiting on HBM after the bench's flush. */
+template <class TX, bool VEC>
 __global__ void __launch_bounds__(256) shared_slots_kernel(const int32_t *ids, const float *wts, const TX *x,
-                                                           const float *gate, int T, int E, int k, int m, int H,
+                                                           const float *gate, int E, int k, int m, int H,
                                                            int32_t *sids, float *swts, int32_t *bad_id) {
     pdl_begin();
-    const int t = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31, kk = k + m;
-    if (t >= T) return;
-    for (int j = lane; j < k; j += 32) {
+    __shared__ float s_part[8];
+    const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, kk = k + m;
+    for (int j = tid; j < k; j += 256) {
         const int e = ids[(size_t)t * k + j];
         const bool ok = (unsigned)e < (unsigned)E;
         if (!ok) *bad_id = 1;
@@ -179,13 +181,33 @@ __global__ void __launch_bounds__(256) shared_slots_kernel(const int32_t *ids, c
     }
     float g = 1.0f;
     if (gate) {
+        const TX *xt = x + (size_t)t * H;
         float d = 0.0f;
-        for (int h = lane; h < H; h += 32) d = fmaf(gate[h], to_f32(x[(size_t)t * H + h]), d);
+        if (VEC) {
+#pragma unroll 4
+            for (int h = tid * 4; h < H; h += 256 * 4) {
+                const float4 gv = __ldg(reinterpret_cast<const float4 *>(gate + h));
+                float xv[4];
+                load_f32<TX, 4>(xt + h, xv);
+                d = fmaf(gv.x, xv[0], d);
+                d = fmaf(gv.y, xv[1], d);
+                d = fmaf(gv.z, xv[2], d);
+                d = fmaf(gv.w, xv[3], d);
+            }
+        } else {
+#pragma unroll 4
+            for (int h = tid; h < H; h += 256) d = fmaf(__ldg(gate + h), to_f32(xt[h]), d);
+        }
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffffu, d, off);
+        if (lane == 0) s_part[warp] = d;
+        __syncthreads();
+        d = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) d += s_part[w];
         g = 1.0f / (1.0f + expf(-d));
     }
-    for (int j = lane; j < m; j += 32) {
+    for (int j = tid; j < m; j += 256) {
         sids[(size_t)t * kk + k + j] = E + j;
         swts[(size_t)t * kk + k + j] = g;
     }
@@ -196,13 +218,15 @@ colibri_status_t colibri_cuda_launch_slots(const colibri_moe_context_t *ctx, int
                                            const float *topk_weights, cudaStream_t stream) {
     const CudaBackend *b = (const CudaBackend *)ctx->backend;
     const colibri_moe_config_t *c = &ctx->cfg;
-    const dim3 grid((unsigned)((num_tokens + 7) / 8));
+    const dim3 grid((unsigned)num_tokens);
+    const bool vec = c->hidden_size % 4 == 0 && colibri_aligned16(input) && colibri_aligned16(b->shared_gate);
     cudaError_t err = cudaSuccess;
     colibri_dispatch_dtype(act_dtype, [&](auto tx) {
         using TX = typename decltype(tx)::type;
-        err = colibri_launch(shared_slots_kernel<TX>, grid, dim3(256), 0, stream, topk_ids, topk_weights,
-                             (const TX *)input, (const float *)b->shared_gate, (int)num_tokens, c->num_experts,
-                             c->top_k, ctx->shared_experts, c->hidden_size, b->slot_ids, b->slot_wts, b->bad_id);
+        auto kernel = vec ? shared_slots_kernel<TX, true> : shared_slots_kernel<TX, false>;
+        err = colibri_launch(kernel, grid, dim3(256), 0, stream, topk_ids, topk_weights, (const TX *)input,
+                             (const float *)b->shared_gate, c->num_experts, c->top_k, ctx->shared_experts,
+                             c->hidden_size, b->slot_ids, b->slot_wts, b->bad_id);
     });
     COLIBRI_CUDA_CHECK(err);
     return COLIBRI_OK;

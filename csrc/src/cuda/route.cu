@@ -53,30 +53,32 @@ __device__ __forceinline__ bool topk_allowed(const TopkArgs &p, unsigned kept, i
     return p.n_group <= 1 || ((kept >> (e / (p.E / p.n_group))) & 1u);
 }
 
-/* Logits of one token each lane keeps in registers (e = lane + 32 i): with E <= 256 the picks below
- * read the row from L2 once instead of once per pick; larger E reads the rest each time. */
+/* Logits of one token each lane keeps in registers (e = lane + 32 i): the picks below read the row from L2
+ * once instead of once per pick up to 32 * REG experts, the rest each time. REG 16 (E > 256) holds
+ * Qwen3-Next's 512. */
 #define TOPK_REG 8
+#define TOPK_REG_WIDE 16
 
 /* Calls f(logit, e) for this lane's experts e = lane, lane + 32, ... < E, in ascending e. */
-template <class F> __device__ __forceinline__ void for_lane_logits(const float (&v)[TOPK_REG], const float *l, int E,
-                                                                   int lane, F &&f) {
+template <int REG, class F>
+__device__ __forceinline__ void for_lane_logits(const float (&v)[REG], const float *l, int E, int lane, F &&f) {
 #pragma unroll
-    for (int i = 0; i < TOPK_REG; i++)
+    for (int i = 0; i < REG; i++)
         if (lane + 32 * i < E) f(v[i], lane + 32 * i);
-    for (int e = lane + 32 * TOPK_REG; e < E; e += 32) f(__ldcg(l + e), e);
+    for (int e = lane + 32 * REG; e < E; e += 32) f(__ldcg(l + e), e);
 }
 
 /* One warp, one token, E > TOPK_RANK_MAX_E: pick k times the best score ranked after the previous pick
  * (no set of chosen ids to keep, and any E and k work), the pick's logit carried along. Lane 0 then
  * forms the weights from the chosen logits. The logits are read from L2 (__ldcg): another block of the
  * same launch may have written them. */
-template <bool LIMITED>
+template <bool LIMITED, int REG>
 __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
     const colibri_routing_t routing = p.routing;
-    float v[TOPK_REG];
+    float v[REG];
 #pragma unroll
-    for (int i = 0; i < TOPK_REG; i++) v[i] = lane + 32 * i < E ? __ldcg(l + lane + 32 * i) : 0.0f;
+    for (int i = 0; i < REG; i++) v[i] = lane + 32 * i < E ? __ldcg(l + lane + 32 * i) : 0.0f;
     float mx = -INFINITY;
     for_lane_logits(v, l, E, lane, [&](float x, int) { mx = fmaxf(mx, x); });
 #pragma unroll
@@ -208,8 +210,9 @@ __device__ __forceinline__ void topk_token_rank(const float *l, const TopkArgs &
  * allocation changes with it; its time there is mostly the fetch of instructions that run once. */
 static __device__ __noinline__ void topk_token(const float *l, const TopkArgs &p, int t, int lane) {
     if (p.E <= TOPK_RANK_MAX_E) topk_token_rank(l, p, t, lane);
-    else if (p.n_group > 1) topk_token_picks<true>(l, p, t, lane);
-    else topk_token_picks<false>(l, p, t, lane);
+    else if (p.n_group > 1) topk_token_picks<true, TOPK_REG>(l, p, t, lane);
+    else if (p.E <= 32 * TOPK_REG) topk_token_picks<false, TOPK_REG>(l, p, t, lane);
+    else topk_token_picks<false, TOPK_REG_WIDE>(l, p, t, lane);
 }
 
 /* Most splits along H of either router path (the GEMM's and the gemv's). */
