@@ -2,7 +2,7 @@
 before each replay), from the CUPTI kernel records of torch.profiler: no patched build, no counters.
 
   python3 bench/kernel_timeline.py --libs base=PATH,new=PATH [--shapes Mixtral-8x7B] [--tokens 256]
-                                   [--reps 20] [--json trace.json]
+                                   [--reps 20] [--json trace.json] [--fp8]
 
 For every build, shape and T: each kernel of the forward in launch order with the median over the replays
 of its start and end (us from the first kernel's start in that replay; a kernel launched under programmatic
@@ -12,7 +12,8 @@ per round, as in the bench. The profiler's own cost is on the host; the times ar
 --sustain S: instead, each build replays (flush, replay, wait) for S seconds, the builds in turn and twice over,
 while nvidia-smi samples the SM clock and the power draw every 50 ms; per build, the median replay time and the
 median clock and power of its phases (the GPU's power limit slows long compute-bound forwards).
-Shapes, weights and tokens are bench_gpu.py's (same seeds).
+Shapes, weights and tokens are bench_gpu.py's (same seeds): its bf16 rows, family rows and fp8 rows' layers, by
+name, in bf16; --fp8: their experts quantised as the fp8 rows quantise them.
 """
 import argparse
 import datetime
@@ -25,7 +26,7 @@ import time
 import torch
 
 import bench_gpu as bg  # bench/, beside this script
-from ncu_forward import context
+from ncu_forward import layer_contexts
 
 
 def timed_ms(graph, flush):
@@ -152,15 +153,14 @@ def main():
     ap.add_argument("--tokens", default="256")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default="")
+    ap.add_argument("--fp8", action="store_true", help="the shapes' fp8 layers (block scales, as bench_gpu's fp8 rows)")
     ap.add_argument("--sustain", type=float, default=0.0, help="seconds per build and phase (clock/power mode)")
     args = ap.parse_args()
     libs = [(c.split("=", 1)[0], bg.load_lib(c.split("=", 1)[1])) for c in args.libs.split(",") if c]
     flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     results = []
-    for name, E, k, H, F, renorm in bg.SHAPES:
-        if name not in args.shapes.split(","):
-            continue
-        labelled = [(label, lib, context(lib, E, k, H, F, renorm)) for label, lib in libs]
+    for name in args.shapes.split(","):
+        labelled, H, hosts = layer_contexts(libs, name, args.fp8)
         try:
             for T in [int(t) for t in args.tokens.split(",") if t]:
                 x = bg.row_tokens(T, H)
@@ -173,9 +173,9 @@ def main():
                     continue
                 for label, reps in trace_one(labelled, T, x, out, args.reps, flush).items():
                     s = summarise(reps)
-                    results.append(dict(shape=name, T=T, build=label, **s))
-                    print(f"\n{name} T={T} {label}: span {s['span_us']:.1f} us (median of {s['replays']} replays"
-                          f"{', ' + str(s['dropped']) + ' dropped' if s['dropped'] else ''})")
+                    results.append(dict(shape=name, T=T, fp8=args.fp8, build=label, **s))
+                    print(f"\n{name}{' fp8' if args.fp8 else ''} T={T} {label}: span {s['span_us']:.1f} us "
+                          f"(median of {s['replays']} replays{', ' + str(s['dropped']) + ' dropped' if s['dropped'] else ''})")
                     print(f"  {'kernel':58s} {'start':>8s} {'end':>8s} {'dur':>8s}  (us)")
                     for r in s["kernels"]:
                         print(f"  {r['kernel'][:58]:58s} {r['start_us']:8.1f} {r['end_us']:8.1f} {r['dur_us']:8.1f}")
