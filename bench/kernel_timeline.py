@@ -167,7 +167,7 @@ def main():
                 out = torch.empty_like(x)
                 if args.sustain > 0:
                     for label, r in sustain_one(labelled, T, x, out, args.sustain, flush).items():
-                        results.append(dict(shape=name, T=T, build=label, **r))
+                        results.append(dict(shape=name, T=T, fp8=args.fp8, build=label, **r))
                         print(f"{name} T={T} {label}: replay {r['replay_ms']:.3f} ms (median of {r['replays']}), "
                               f"SM clock {r['sm_mhz']:.0f} MHz, power {r['power_w']:.0f} W")
                     continue
