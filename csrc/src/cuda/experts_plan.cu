@@ -47,8 +47,15 @@ static bool mma16_long(const CudaBackend *b, const colibri_moe_config_t *c, int6
 }
 
 /* Where the tensor cores could run, the few-tokens path serves at most this many assignments: so few
- * touched experts leave a tensor-core grid's SMs idle, while the gemv spreads an expert over N/8 blocks. */
+ * touched experts leave a tensor-core grid's SMs idle, while the gemv spreads an expert over N/8 blocks.
+ * With GEMV_MANY_EXPERTS or more (the shared slots counted), twice as many: nearly every assignment is an
+ * expert of its own there, which a 16-row tile reads for one row after a permutation; the gemv took
+ * 13 us off Qwen3-Next's 87 us decode step (512 experts, 10 + 1 slots; docs/performance.md). */
 #define GEMV_MAX_ASSIGNMENTS 8
+#define GEMV_MANY_EXPERTS 256
+static int64_t gemv_max_assignments(int64_t experts) {
+    return experts >= GEMV_MANY_EXPERTS ? 2 * GEMV_MAX_ASSIGNMENTS : GEMV_MAX_ASSIGNMENTS;
+}
 
 /* Direct mode with rows of at most this many bytes per warp (fine-grained experts) launches about
  * GEMV_LOOP_BLOCKS_PER_SM blocks per SM whose warps loop over rows: a block's setup (its expert found
@@ -93,7 +100,7 @@ int32_t colibri_cuda_experts_tile_m(const colibri_moe_context_t *ctx, int64_t nu
     const bool tensor_cores = f8_tc || (w.mma_k > 0 && c->hidden_size % w.mma_k == 0 && c->intermediate_size % w.mma_k == 0 &&
                                         (act_dtype != w.compute || colibri_aligned16(input)));
     const int64_t assignments = num_tokens * c->top_k, E = c->num_experts;
-    if (!tensor_cores || assignments <= GEMV_MAX_ASSIGNMENTS) {
+    if (!tensor_cores || assignments <= gemv_max_assignments(E)) {
         if (4 * assignments <= E) return 1;
         const int64_t want3 = assignments * 3; /* 2 * (1.5 * mean) * E */
         return want3 <= 4 * E ? 2 : want3 <= 8 * E ? 4 : GEMV_GROUP;
@@ -226,7 +233,7 @@ template <class Act> static PrefetchWave mma_wave_of(const CudaBackend *b, int32
     }
 }
 
-/* The first projection's wave where it is a tensor-core GEMM (16-bit weights, more than GEMV_MAX_ASSIGNMENTS
+/* The first projection's wave where it is a tensor-core GEMM (16-bit weights, more than gemv_max_assignments
  * assignments) that streams its weights: tiles of up to 64 rows, or wgmma's tiles of 128 where the
  * experts have fewer assignments than a tile on average (wgmma_launch's `streaming`; mma_kernel's
  * 128-row tiles, which a cc 9.x device runs only without the sm_90a image, were not measured). The

@@ -8,6 +8,7 @@
  * sums in a fixed order, so the ids are the same bits on every run. A custom routing_fn is called here
  * too, on the caller's stream. docs/cuda-design.md ("Routing") has the paths and why.
  */
+#include <limits.h>
 #include <math.h>
 
 #include "gemv.cuh"
@@ -68,10 +69,21 @@ __device__ __forceinline__ void for_lane_logits(const float (&v)[REG], const flo
     for (int e = lane + 32 * REG; e < E; e += 32) f(__ldcg(l + e), e);
 }
 
-/* One warp, one token, E > TOPK_RANK_MAX_E: pick k times the best score ranked after the previous pick
- * (no set of chosen ids to keep, and any E and k work), the pick's logit carried along. Lane 0 then
- * forms the weights from the chosen logits. The logits are read from L2 (__ldcg): another block of the
- * same launch may have written them. */
+/* A selection score as an unsigned key in the same order (scores are never NaN: colibri_route_select made
+ * those -inf; -0 keyed as +0, which compares equal to it); 0 is below every score's key. */
+__device__ __forceinline__ unsigned topk_key(float s) {
+    const unsigned u = __float_as_uint(s == 0.0f ? 0.0f : s);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* One warp, one token, E > TOPK_RANK_MAX_E: k rounds, each taking the largest of the lanes' best keys
+ * with one redux.sync and the lowest id holding it with another (ids are unique, so the order is the
+ * strict one of colibri_route_before), the pick's logit carried along; then only the winning lane looks
+ * for its next best. Register-held experts drop to key 0 once picked; those past 32 REG are read from L2
+ * each time and count only where ranked after the last pick. Lane 0 forms the weights from the chosen
+ * logits. An earlier form tested every expert against the last pick in every round: Qwen3-Next's decode
+ * routing (512 experts, top-10) took 41 us on an H100, now 29 (docs/performance.md). The logits are read
+ * from L2 (__ldcg): another block of the same launch may have written them. */
 template <bool LIMITED, int REG>
 __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs &p, int t, int lane) {
     const int E = p.E, k = p.k;
@@ -90,36 +102,51 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
         for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     }
 
-    /* LIMITED (a group limit) is a variant of its own: the test per expert in every layer's picks
-     * slowed layers without a group limit (docs/performance.md, "Measurements behind the code") */
+    /* LIMITED (a group limit) is a variant of its own: the test per expert slowed layers without a group
+     * limit (docs/performance.md, "Measurements behind the code") */
     const unsigned kept = LIMITED ? topk_kept_groups(l, p, lane) : ~0u;
     const int gsize = LIMITED ? E / p.n_group : 1;
+    auto key_of = [&](float x, int e) {
+        return topk_key(!LIMITED || ((kept >> (e / gsize)) & 1u) ? colibri_route_select(routing, x, p.bias, e)
+                                                                  : -INFINITY);
+    };
+    unsigned q[REG];
+#pragma unroll
+    for (int i = 0; i < REG; i++) q[i] = lane + 32 * i < E ? key_of(v[i], lane + 32 * i) : 0u;
+    unsigned prev_q = 0xffffffffu, bq; /* above every key: nothing picked yet */
+    int prev_e = -1, be;
+    float bx;
+    auto lane_best = [&]() { /* ascending id, a strictly larger key replacing: ties keep the lower id */
+        bq = 0u;
+        be = INT_MAX;
+        bx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < REG; i++)
+            if (q[i] > bq) { bq = q[i]; be = lane + 32 * i; bx = v[i]; }
+        for (int e = lane + 32 * REG; e < E; e += 32) {
+            const float x = __ldcg(l + e);
+            const unsigned qe = key_of(x, e);
+            if ((qe < prev_q || (qe == prev_q && e > prev_e)) && qe > bq) { bq = qe; be = e; bx = x; }
+        }
+    };
+    lane_best();
     int32_t *ids_t = p.ids + (size_t)t * k;
     float *w_t = p.wts + (size_t)t * k;
-    float prev_s = INFINITY;
-    int prev_e = -1;
     for (int j = 0; j < k; j++) {
-        float best_s = -INFINITY, best_l = 0.0f;
-        int best_e = 0x7fffffff;
-        for_lane_logits(v, l, E, lane, [&](float x, int e) {
-            const float s = !LIMITED || ((kept >> (e / gsize)) & 1u) ? colibri_route_select(routing, x, p.bias, e)
-                                                                      : -INFINITY;
-            const bool after_prev = s < prev_s || (s == prev_s && e > prev_e);
-            if (after_prev && colibri_route_before(s, e, best_s, best_e)) { best_s = s; best_e = e; best_l = x; }
-        });
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-            const float ol = __shfl_xor_sync(0xffffffffu, best_l, off);
-            if (colibri_route_before(os, oe, best_s, best_e)) { best_s = os; best_e = oe; best_l = ol; }
-        }
-        prev_s = best_s;
-        prev_e = best_e;
+        const unsigned m = __reduce_max_sync(0xffffffffu, bq);
+        const int w = __reduce_min_sync(0xffffffffu, bq == m ? be : INT_MAX);
+        const float x = __shfl_sync(0xffffffffu, bx, w & 31);
         if (lane == 0) {
-            const float lg = best_l;
-            ids_t[j] = best_e;
-            w_t[j] = colibri_route_prob(routing, lg, mx, sum);
+            ids_t[j] = w;
+            w_t[j] = colibri_route_prob(routing, x, mx, sum);
+        }
+        prev_q = m;
+        prev_e = w;
+        if (lane == (w & 31)) {
+#pragma unroll
+            for (int i = 0; i < REG; i++)
+                if (lane + 32 * i == w) q[i] = 0u;
+            lane_best();
         }
     }
     if (lane == 0) colibri_route_weights(routing, p.renormalize, p.scale, w_t, k);
@@ -127,13 +154,6 @@ __device__ __forceinline__ void topk_token_picks(const float *l, const TopkArgs 
 
 /* The warp top-k below serves E <= 64: a lane holds experts lane and lane + 32. */
 #define TOPK_RANK_MAX_E 64
-
-/* A selection score as an unsigned key in the same order (scores are never NaN: colibri_route_select made
- * those -inf; -0 keyed as +0, which compares equal to it); 0 is below every score's key. */
-__device__ __forceinline__ unsigned topk_key(float s) {
-    const unsigned u = __float_as_uint(s == 0.0f ? 0.0f : s);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
 
 /* One warp, one token, E <= TOPK_RANK_MAX_E: k rounds, each taking the warp's largest key with one
  * redux.sync and the lowest id holding it with a ballot (ids lane < lane + 32, so the first half is
@@ -229,6 +249,8 @@ __global__ void __launch_bounds__(256) topk_kernel(float *logits, const float *p
     if (t >= T) return;
     float *l = logits + (size_t)t * p.E;
     if (splits > 1 || p.logit_bias) {
+        /* two logits' partials in flight at once: a trip at a time waited on L2 16 times at E = 512 */
+#pragma unroll 2
         for (int e = lane; e < p.E; e += 32) {
             float pv[ROUTE_GEMM_MAX_SPLITS - 1];
 #pragma unroll
